@@ -1,0 +1,56 @@
+# specserve: run `make help` for the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SPECSERVE_HOME ?= $(HOME)/.cache/specserve
+export SPECSERVE_HOME
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## Show this help
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
+		awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+.PHONY: install
+install: $(VENV)/.installed ## Create .venv and install specserve with its dev tools
+
+.PHONY: models
+models: install ## Prepare SmolLM2-135M-Instruct and the tiny test checkpoints in $SPECSERVE_HOME
+	$(PY) -m tools.prepare_models
+
+.PHONY: lint
+lint: install ## ruff + mypy
+	$(VENV)/bin/ruff check engine server tests bench tools
+	$(VENV)/bin/ruff format --check engine server tests bench tools
+	$(VENV)/bin/mypy engine server tools
+
+.PHONY: format
+format: install ## Apply ruff's formatting and fixes
+	$(VENV)/bin/ruff format engine server tests bench tools
+	$(VENV)/bin/ruff check --fix engine server tests bench tools
+
+.PHONY: test
+test: models lint ## Install, prepare models, lint, run all tests
+	$(PY) -m pytest -q tests
+
+.PHONY: bench
+bench: models ## Decode tokens/s of this engine vs transformers (batch 1 and 16), and the matmul floor
+	$(PY) -m bench.bench_decode
+
+.PHONY: bench-kernels
+bench-kernels: install ## Time every linear-layer kernel for the default model's shapes
+	$(PY) -m bench.bench_kernels
+
+.PHONY: clean
+clean: ## Remove the virtual environment and caches (not $SPECSERVE_HOME)
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

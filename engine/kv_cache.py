@@ -1,0 +1,282 @@
+"""Paged KV cache bookkeeping: a pool of fixed-size blocks and per-sequence block tables.
+
+Pure Python; the K/V tensors live with the model runner, which maps token position `p` of a
+sequence to the physical slot `block_table[p // block_size] * block_size + p % block_size`.
+
+Copy-on-write invariant: a block held by more than one block table is always *full* for every
+holder, so a write (which only ever goes to positions >= the writer's `num_tokens`) can never land
+in a shared block. `fork` keeps it by copying a partial tail instead of sharing it:
+
+    parent: num_tokens=37, block_size=16          child = fork(parent, child, 37)
+    +--------+--------+--------+                  +--------+--------+--------+
+    | b7  16 | b3  16 | b9  5  |                  | b7  16 | b3  16 | b12 5  |
+    +--------+--------+--------+                  +--------+--------+--------+
+       ^ shared  ^ shared   owned                    ^ ref 2  ^ ref 2   owned (fresh)
+    returns [(9, 12)]: the caller copies K/V block 9 into block 12 before either writes.
+    Next write of the parent goes to b9 offset 5, of the child to b12 offset 5: no aliasing.
+
+`truncate` refuses to cut into a shared block (it would make it partial), see its docstring.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+
+SeqId = Hashable
+
+
+class KVCacheError(Exception):
+    """Misuse of the cache (unknown/duplicate sequence, bad length, no block for a fork) or a
+    failed integrity check."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockPool:
+    """Blocks `0..num_blocks-1`, a reference count per block, and a free queue.
+
+    The free queue holds exactly the blocks with `ref_cnt == 0`, in the order they were freed;
+    `allocate` takes from the front, so the least recently freed block is reused first (the
+    eviction order a future prefix cache wants). It is an `OrderedDict` so that such a cache can
+    also pull a freed-but-cached block out of the middle in O(1).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._ref_cnt = [0] * num_blocks
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_queue)
+
+    def ref_cnt(self, block_id: int) -> int:
+        return self._ref_cnt[block_id]
+
+    def free_queue(self) -> list[int]:
+        """The free blocks, next-to-be-allocated first (a copy)."""
+        return list(self._free_queue)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks from the front of the free queue, each with `ref_cnt` 1.
+        All-or-nothing: raises KVCacheError (allocating nothing) if fewer than `n` are free."""
+        if n > len(self._free_queue):
+            raise KVCacheError(f"need {n} blocks, {len(self._free_queue)} free")
+        blocks = [self._free_queue.popitem(last=False)[0] for _ in range(n)]
+        for b in blocks:
+            self._ref_cnt[b] = 1
+        return blocks
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        """Add one reference to each (already referenced) block."""
+        for b in blocks:
+            assert self._ref_cnt[b] > 0, f"incref of free block {b}"
+            self._ref_cnt[b] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block, in order; a block reaching 0 is appended to the
+        free queue. Callers pass tail blocks first, so they are reused before prefix blocks."""
+        for b in blocks:
+            if self._ref_cnt[b] <= 0:
+                raise KVCacheError(f"release of free block {b}")
+            self._ref_cnt[b] -= 1
+            if self._ref_cnt[b] == 0:
+                self._free_queue[b] = None
+
+
+class KVCacheManager:
+    """Per-sequence block tables over a `BlockPool`.
+
+    Each sequence has a declared length `num_tokens` (its capacity: positions `0..num_tokens-1`
+    have slots) and a block table of exactly `ceil(num_tokens / block_size)` blocks: never an
+    empty tail block. Growing (`allocate_slots`) and shrinking (`truncate`) cost O(blocks
+    changed), so speculative decoding can allocate draft slots and truncate back every step.
+    Sharing happens only through `fork`; see the module docstring for the copy-on-write rule.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.pool = BlockPool(num_blocks)
+        self._block_size = block_size
+        self._tables: dict[SeqId, list[int]] = {}
+        self._num_tokens: dict[SeqId, int] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free_blocks
+
+    def has(self, seq_id: SeqId) -> bool:
+        return seq_id in self._tables
+
+    def _table(self, seq_id: SeqId) -> list[int]:
+        try:
+            return self._tables[seq_id]
+        except KeyError:
+            raise KVCacheError(f"unknown sequence {seq_id!r}") from None
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        self._table(seq_id)
+        return self._num_tokens[seq_id]
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """A copy of the sequence's block table (logical block i -> physical block)."""
+        return list(self._table(seq_id))
+
+    def num_blocks_needed(self, seq_id: SeqId, num_tokens: int) -> int:
+        """Extra blocks `seq_id` (new or existing) needs to hold `num_tokens` tokens in total."""
+        if num_tokens < 0:
+            raise KVCacheError(f"negative num_tokens {num_tokens}")
+        have = len(self._tables.get(seq_id, ()))
+        return max(0, _cdiv(num_tokens, self._block_size) - have)
+
+    def can_allocate(self, seq_id: SeqId, num_tokens: int) -> bool:
+        return self.num_blocks_needed(seq_id, num_tokens) <= self.pool.num_free_blocks
+
+    def allocate_slots(self, seq_id: SeqId, num_tokens: int) -> bool:
+        """Ensure `seq_id` (registered if new) has slots for `num_tokens` tokens in total and set
+        its length to `max(current, num_tokens)`; never shrinks (use `truncate`).
+
+        All-or-nothing: if too few blocks are free, changes nothing (a new sequence is not
+        registered) and returns False. New positions never fall in a shared block (invariant).
+        """
+        n_new = self.num_blocks_needed(seq_id, num_tokens)
+        if n_new > self.pool.num_free_blocks:
+            return False
+        table = self._tables.setdefault(seq_id, [])
+        if n_new:
+            table.extend(self.pool.allocate(n_new))
+        self._num_tokens[seq_id] = max(self._num_tokens.get(seq_id, 0), num_tokens)
+        return True
+
+    def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
+        """Slots of positions `start..end-1`; requires `0 <= start <= end <= num_tokens(seq)`."""
+        table = self._table(seq_id)
+        if not 0 <= start <= end <= self._num_tokens[seq_id]:
+            raise KVCacheError(
+                f"positions [{start}, {end}) outside [0, {self._num_tokens[seq_id]}) of {seq_id!r}"
+            )
+        bs = self._block_size
+        slots: list[int] = []
+        p = start
+        while p < end:  # one range per block touched, not one Python step per token
+            base = table[p // bs] * bs
+            stop = min(end, (p // bs + 1) * bs)
+            slots.extend(range(base + p % bs, base + p % bs + (stop - p)))
+            p = stop
+        return slots
+
+    def fork(self, parent_id: SeqId, child_id: SeqId, num_tokens: int) -> list[tuple[int, int]]:
+        """Register `child_id` sharing the first `num_tokens` tokens of `parent_id`.
+
+        Full blocks are shared (ref_cnt + 1). A partly filled last block is not: the child gets a
+        fresh block and the result lists `(src_block, dst_block)` K/V copies the caller must do
+        before either sequence writes again (at most one pair). Needs one free block iff
+        `num_tokens % block_size != 0`; on shortage raises KVCacheError and changes nothing.
+        Requires `0 <= num_tokens <= num_tokens(parent_id)` and `child_id` new.
+        """
+        parent = self._table(parent_id)
+        if child_id in self._tables:
+            raise KVCacheError(f"sequence {child_id!r} already exists")
+        if not 0 <= num_tokens <= self._num_tokens[parent_id]:
+            raise KVCacheError(
+                f"cannot fork {num_tokens} tokens of {parent_id!r} "
+                f"({self._num_tokens[parent_id]} tokens)"
+            )
+        n_full, partial = divmod(num_tokens, self._block_size)
+        table = parent[:n_full]
+        copies: list[tuple[int, int]] = []
+        if partial:
+            (dst,) = self.pool.allocate(1)  # raises before anything is changed
+            copies.append((parent[n_full], dst))
+        self.pool.incref(table)
+        if partial:
+            table.append(copies[0][1])
+        self._tables[child_id] = table
+        self._num_tokens[child_id] = num_tokens
+        return copies
+
+    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Shrink `seq_id` to `num_tokens` tokens, releasing the tail blocks it no longer needs.
+
+        Raises KVCacheError (changing nothing) if `num_tokens` exceeds the current length, or if
+        the new last block would be partly filled while shared with another sequence: later
+        writes there would corrupt the other holder. Truncate to a block boundary, or free and
+        re-fork, instead. The sequence stays registered even at 0 tokens.
+        """
+        table = self._table(seq_id)
+        if not 0 <= num_tokens <= self._num_tokens[seq_id]:
+            raise KVCacheError(
+                f"cannot truncate {seq_id!r} from {self._num_tokens[seq_id]} to {num_tokens}"
+            )
+        keep = _cdiv(num_tokens, self._block_size)
+        if num_tokens % self._block_size and self.pool.ref_cnt(table[keep - 1]) > 1:
+            raise KVCacheError(
+                f"truncating {seq_id!r} to {num_tokens} would leave shared block "
+                f"{table[keep - 1]} partly filled"
+            )
+        if keep < len(table):
+            self.pool.release(reversed(table[keep:]))
+            del table[keep:]
+        self._num_tokens[seq_id] = num_tokens
+
+    def free(self, seq_id: SeqId) -> None:
+        """Forget `seq_id` and drop its references; blocks reaching ref_cnt 0 join the free queue,
+        tail first."""
+        table = self._table(seq_id)
+        self.pool.release(reversed(table))
+        del self._tables[seq_id], self._num_tokens[seq_id]
+
+    def check_integrity(self) -> None:
+        """Raise KVCacheError unless: every block is either free (ref_cnt 0, in the free queue
+        once) or used (ref_cnt = number of tables holding it), so free + used == total; no table
+        holds a block twice; each table has exactly ceil(num_tokens / block_size) blocks; and
+        every block with ref_cnt > 1 is full for each holder. O(blocks + table entries)."""
+        bs, pool = self._block_size, self.pool
+        expected = [0] * pool.num_blocks
+        for seq_id, table in self._tables.items():
+            n = self._num_tokens.get(seq_id)
+            if n is None or len(table) != _cdiv(n, bs):
+                raise KVCacheError(f"{seq_id!r}: {len(table)} blocks for {n} tokens")
+            if len(set(table)) != len(table):
+                raise KVCacheError(f"{seq_id!r}: block twice in one table {table}")
+            for b in table:
+                if not 0 <= b < pool.num_blocks:
+                    raise KVCacheError(f"{seq_id!r}: block id {b} out of range")
+                expected[b] += 1
+        if self._num_tokens.keys() != self._tables.keys():
+            raise KVCacheError("num_tokens and block tables disagree on sequence ids")
+        free = list(pool._free_queue)
+        if len(set(free)) != len(free):
+            raise KVCacheError("duplicate block in the free queue")
+        for b in free:
+            if not 0 <= b < pool.num_blocks or expected[b] or pool._ref_cnt[b]:
+                raise KVCacheError(f"block {b} is in the free queue but referenced")
+        for b, (want, got) in enumerate(zip(expected, pool._ref_cnt, strict=True)):
+            if want != got:
+                raise KVCacheError(f"block {b}: ref_cnt {got}, held by {want} tables")
+        num_used = sum(1 for c in expected if c)
+        if len(free) + num_used != pool.num_blocks:
+            raise KVCacheError(f"free {len(free)} + used {num_used} != {pool.num_blocks} blocks")
+        for seq_id, table in self._tables.items():
+            n_full = self._num_tokens[seq_id] // bs
+            for b in table[n_full:]:
+                if expected[b] > 1:
+                    raise KVCacheError(f"{seq_id!r}: shared block {b} is not full")

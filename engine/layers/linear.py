@@ -1,0 +1,438 @@
+"""Linear layer whose storage layout and matrix kernel are private and chosen by measurement.
+
+On CPU the weight is stored transposed, ``W^T`` as ``[in, out]`` contiguous: OpenBLAS sgemv/sgemm and
+onnxruntime's MLAS MatMul both read that layout fastest, oneDNN and MKL take it as a transposed view.
+On CUDA the weight is stored ``[out, in]`` and ``forward`` is plain ``F.linear``.
+
+Kernels are pure functions ``x [M, in] -> y [M, out]`` bound to one layer's tensors. ``select_kernels``
+times every candidate per distinct layer shape and per M bucket, rejects any kernel whose result is not
+fp32-exact against a float64 reference, and installs the fastest per bucket in each layer. ``forward``
+then costs one tuple lookup plus the kernel.
+
+Inference only: inputs must not require grad. A layer is not safe for concurrent ``forward`` calls
+from several threads (the MLAS kernel reuses one onnxruntime binding per layer). The placement and
+dtype are fixed at construction: the weights are plain tensor attributes, so ``Module.to`` leaves
+them alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+KernelFn = Callable[[torch.Tensor], torch.Tensor]
+DEFAULT_M_VALUES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+
+class Linear(torch.nn.Module):
+    """y = x @ W^T + b. W is [out_features, in_features] logically (HF layout); the storage layout and
+    the kernel are private.
+
+    Until ``select_kernels`` runs, CPU fp32 layers use OpenBLAS for M <= 2 and oneDNN above (the
+    usual winners measured on a 2-core EPYC); other dtypes and devices use ``F.linear``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # CPU: W^T [in, out] contiguous. Elsewhere: W [out, in] contiguous.
+        self.transposed = self.device.type == "cpu"
+        shape = (in_features, out_features) if self.transposed else (out_features, in_features)
+        self.storage = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.bias: torch.Tensor | None = (
+            torch.zeros(out_features, dtype=dtype, device=self.device) if bias else None
+        )
+        self.kernel_names: dict[int, str] = {}  # M bucket -> kernel name, for reports
+        self._by_m: tuple[KernelFn, ...] = ()  # index M -> kernel, for M < len
+        self._large: KernelFn = _build_torch(self, {})  # for M >= len(_by_m)
+        if self.transposed and dtype == torch.float32:
+            shared: dict[Any, Any] = {}
+            self.install({m: (name, build(self, shared)) for m, name, build in _CPU_DEFAULT})
+        else:
+            self.install({1: ("torch", self._large)})
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, dtype={self.dtype}, kernels={self.kernel_names}"
+        )
+
+    def weight_view(self) -> torch.Tensor:
+        """W as an [out, in] view of the storage (a transposed, non-contiguous view on CPU)."""
+        return self.storage.t() if self.transposed else self.storage
+
+    def load_rows(self, row_offset: int, weight: torch.Tensor) -> None:
+        """Copy ``weight`` [rows, in] (HF layout, any float dtype/device) into logical rows
+        [row_offset, row_offset + rows) of W, converting dtype in the same pass (no full-size temporary).
+
+        Raises ValueError naming the expected and actual shapes if it does not fit.
+        """
+        rows = weight.shape[0] if weight.dim() == 2 else -1
+        if weight.dim() != 2 or weight.shape[1] != self.in_features or row_offset < 0:
+            raise ValueError(
+                f"load_rows: expected a [rows, {self.in_features}] weight at row_offset >= 0, "
+                f"got shape {list(weight.shape)} at row_offset {row_offset}"
+            )
+        if row_offset + rows > self.out_features:
+            raise ValueError(
+                f"load_rows: rows [{row_offset}, {row_offset + rows}) of shape "
+                f"{list(weight.shape)} exceed W's shape [{self.out_features}, {self.in_features}]"
+            )
+        with torch.no_grad():
+            self.weight_view()[row_offset : row_offset + rows].copy_(weight)
+
+    def load_bias(self, row_offset: int, bias: torch.Tensor) -> None:
+        """Copy ``bias`` [rows] into b[row_offset : row_offset + rows]; ValueError on mismatch."""
+        if self.bias is None:
+            raise ValueError("load_bias: this layer was built with bias=False")
+        if bias.dim() != 1 or row_offset < 0 or row_offset + bias.shape[0] > self.out_features:
+            raise ValueError(
+                f"load_bias: expected a [rows] bias within [{self.out_features}] at row_offset "
+                f">= 0, got shape {list(bias.shape)} at row_offset {row_offset}"
+            )
+        with torch.no_grad():
+            self.bias[row_offset : row_offset + bias.shape[0]].copy_(bias)
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] int64 -> W[ids] [N, in_features] (contiguous), for tied embeddings."""
+        if self.transposed:
+            return self.storage.index_select(1, ids).t().contiguous()  # gather columns of W^T
+        return self.storage.index_select(0, ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] -> [M, out_features], same dtype and device as the layer."""
+        m = x.shape[0]
+        by_m = self._by_m
+        return (by_m[m] if m < len(by_m) else self._large)(x)
+
+    def install(self, plan: Mapping[int, tuple[str, KernelFn]]) -> None:
+        """Install kernels: ``plan[bucket] = (name, fn)`` serves every M up to ``bucket`` that no
+        smaller bucket serves; M above the largest bucket uses the largest bucket's kernel.
+        M = 0 always goes to ``F.linear``.
+        """
+        buckets = sorted(plan)
+        table: list[KernelFn] = [self._large if not buckets else _build_torch(self, {})]
+        for m in range(1, buckets[-1] + 1):
+            table.append(plan[next(b for b in buckets if b >= m)][1])
+        self._by_m = tuple(table)
+        self._large = plan[buckets[-1]][1]
+        self.kernel_names = {b: plan[b][0] for b in buckets}
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel registry. ``build(layer, shared)`` returns a kernel bound to the layer's tensors;
+# ``shared`` is a per-selection dict for objects reused across layers (onnxruntime sessions).
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    description: str
+    supports: Callable[[Linear], bool]
+    build: Callable[[Linear, dict[Any, Any]], KernelFn]
+
+
+def _cpu_fp32(layer: Linear) -> bool:
+    return layer.transposed and layer.dtype == torch.float32
+
+
+def _build_torch(layer: Linear, shared: dict[Any, Any]) -> KernelFn:
+    w, b = layer.weight_view(), layer.bias
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w, b)
+
+    return run
+
+
+def _build_onednn(layer: Linear, shared: dict[Any, Any]) -> KernelFn:
+    w, b = layer.weight_view(), layer.bias  # oneDNN reads the [out, in] strided view in place
+    op = torch.ops.mkldnn._linear_pointwise
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return op(x, w, b, "none", [], "")
+
+    return run
+
+
+def _openblas_lib() -> ctypes.CDLL | None:
+    """numpy's bundled OpenBLAS (already loaded by numpy, so this returns the same instance)."""
+    root = os.path.dirname(os.path.dirname(np.__file__))
+    for pattern in ("numpy.libs/*openblas*.so*", "numpy/.libs/*openblas*.so*"):
+        for path in sorted(glob.glob(os.path.join(root, pattern))):
+            return ctypes.CDLL(path)
+    return None
+
+
+def set_openblas_threads(n: int) -> bool:
+    """Set numpy's OpenBLAS thread count; returns False if the library was not found."""
+    lib = _openblas_lib()
+    for sym in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                "scipy_openblas_set_num_threads", "openblas_set_num_threads"):  # fmt: skip
+        fn = getattr(lib, sym, None) if lib is not None else None
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int]
+            fn(n)
+            return True
+    return False
+
+
+def _build_openblas(layer: Linear, shared: dict[Any, Any]) -> KernelFn:
+    if "openblas_threads" not in shared:
+        shared["openblas_threads"] = torch.get_num_threads()
+        set_openblas_threads(shared["openblas_threads"])
+    wt = layer.storage.numpy()  # W^T [in, out], zero-copy view of the torch storage
+    n, b, matmul = layer.out_features, layer.bias, np.matmul
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)  # [M, out]
+        matmul(x.numpy(), wt, out=y.numpy())
+        return y if b is None else y.add_(b)
+
+    return run
+
+
+def _onnx_matmul_model() -> bytes:
+    """Serialized ONNX model y[M, N] = MatMul(x[M, K], w[K, N]) with symbolic dims, so one session
+    (and one thread pool) serves every shape. Encoded by hand: no dependency on the onnx package."""
+
+    def varint(v: int) -> bytes:
+        out = bytearray()
+        while v > 0x7F:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        return bytes([*out, v])
+
+    def fld(num: int, payload: bytes | str | int) -> bytes:  # protobuf field: varint or bytes
+        if isinstance(payload, int):
+            return varint(num << 3) + varint(payload)
+        data = payload.encode() if isinstance(payload, str) else payload
+        return varint(num << 3 | 2) + varint(len(data)) + data
+
+    def value_info(name: str, dims: Sequence[str]) -> bytes:  # float tensor with named dims
+        shape = b"".join(fld(1, fld(2, d)) for d in dims)
+        return fld(1, name) + fld(2, fld(1, fld(1, 1) + fld(2, shape)))
+
+    node = fld(1, "x") + fld(1, "w") + fld(2, "y") + fld(4, "MatMul")
+    graph = (
+        fld(1, node) + fld(2, "linear") + fld(11, value_info("x", "MK"))
+        + fld(11, value_info("w", "KN")) + fld(12, value_info("y", "MN"))
+    )  # fmt: skip
+    return fld(1, 8) + fld(8, fld(1, "") + fld(2, 17)) + fld(7, graph)  # ir_version 8, opset 17
+
+
+def _build_mlas(layer: Linear, shared: dict[Any, Any]) -> KernelFn:
+    import onnxruntime as ort
+    from onnxruntime.capi import _pybind_state as ort_c
+
+    if "mlas" not in shared:  # one session for all layers; weights are bound per layer, not copied
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = torch.get_num_threads()
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        shared["mlas"] = ort.InferenceSession(_onnx_matmul_model(), opts, ["CPUExecutionProvider"])
+    sess = shared["mlas"]
+    k, n, w, b = layer.in_features, layer.out_features, layer.storage, layer.bias
+    # The C-level binding/session skip ~5 us of Python wrapper work per call.
+    binding, csess, run_opts = sess.io_binding()._iobinding, sess._sess, ort_c.RunOptions()
+    dev = ort_c.OrtDevice(ort_c.OrtDevice.cpu(), ort_c.OrtDevice.default_memory(), 0)
+    f32 = np.dtype(np.float32)
+    binding.bind_input("w", dev, f32, [k, n], w.data_ptr())  # W^T [in, out]; `w` kept alive below
+
+    def run(x: torch.Tensor, _keep: torch.Tensor = w) -> torch.Tensor:
+        x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
+        binding.bind_input("x", dev, f32, [m, k], x.data_ptr())
+        binding.bind_output("y", dev, f32, [m, n], y.data_ptr())
+        csess.run_with_iobinding(binding, run_opts)
+        return y if b is None else y.add_(b)
+
+    return run
+
+
+def _has_onnxruntime(layer: Linear) -> bool:
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return _cpu_fp32(layer)
+
+
+# CPU fp32 plan before selection, (max M, kernel): the usual winners measured on a 2-core EPYC.
+_CPU_DEFAULT = ((2, "openblas", _build_openblas), (3, "onednn", _build_onednn))
+
+KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
+    {
+        "torch": KernelSpec("torch", "F.linear (MKL on CPU)", lambda _: True, _build_torch),
+        "onednn": KernelSpec(
+            "onednn",
+            "torch.ops.mkldnn._linear_pointwise",
+            lambda layer: layer.transposed and torch.backends.mkldnn.is_available(),
+            _build_onednn,
+        ),
+        "openblas": KernelSpec(
+            "openblas", "numpy matmul (OpenBLAS) on W^T", _cpu_fp32, _build_openblas
+        ),
+        "mlas": KernelSpec("mlas", "onnxruntime MatMul (MLAS) on W^T", _has_onnxruntime, _build_mlas),
+    }
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection.
+
+
+@dataclass
+class Timing:
+    shape: tuple[int, int]  # (in, out)
+    m: int
+    kernel: str
+    ms: float  # best per-call time; inf if not timed
+    gbps: float  # weight bytes / time
+    rel_err: float  # relative Frobenius error vs float64
+    exact: bool
+
+
+@dataclass
+class KernelTable:
+    """What ``select_kernels`` measured and chose. Holds the shared kernel resources."""
+
+    timings: list[Timing] = field(default_factory=list)
+    chosen: dict[tuple[int, int], dict[int, str]] = field(default_factory=dict)
+    threads: int = 1
+    seconds: float = 0.0
+    shared: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def format(self) -> str:
+        """A text table: ms per call (GB/s) for each kernel, shape and M; * marks the choice."""
+        names = sorted({t.kernel for t in self.timings})
+        lines = [f"{'shape':>12} {'M':>5} " + " ".join(f"{n:>17}" for n in names)]
+        cells: dict[tuple[tuple[int, int], int], dict[str, Timing]] = {}
+        for t in self.timings:
+            cells.setdefault((t.shape, t.m), {})[t.kernel] = t
+        for (shape, m), row in cells.items():
+            out = []
+            for n in names:
+                t = row.get(n)
+                mark = "*" if self.chosen.get(shape, {}).get(m) == n else " "
+                if t is None or not t.exact:
+                    out.append(f"{'inexact' if t else '-':>16} ")
+                elif t.ms == float("inf"):
+                    out.append(f"{'pruned':>16}{mark}")
+                else:
+                    out.append(f"{t.ms:8.3f} ({t.gbps:5.1f})".rjust(16) + mark)
+            lines.append(f"{shape[0]:>5}->{shape[1]:<6} {m:>5} " + " ".join(out))
+        return "\n".join(lines)
+
+
+def _rel_err(layer: Linear, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Relative Frobenius error of y against float64 on up to ~256 sampled output columns."""
+    n = layer.out_features
+    cols = torch.unique(
+        torch.cat(
+            [
+                torch.arange(min(n, 64)),
+                torch.linspace(0, n - 1, 128).long(),
+                torch.arange(max(0, n - 64), n),
+            ]
+        )
+    )
+    w = layer.weight_view().index_select(0, cols).double()  # [cols, in]
+    ref = x.double() @ w.t()
+    if layer.bias is not None:
+        ref += layer.bias[cols].double()
+    got = y[:, cols].double()
+    if not bool(torch.isfinite(got).all()):
+        return float("inf")
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def select_kernels(
+    linears: Iterable[Linear],
+    m_values: Sequence[int] = DEFAULT_M_VALUES,
+    kernels: Sequence[str] | None = None,
+    rounds: int = 3,
+    target_s: float = 0.002,
+    prune: float = 1.25,
+) -> KernelTable:
+    """Time each candidate kernel per distinct (in, out, dtype, bias) group and per M in
+    ``m_values``, and install the fastest exact one in every layer of the group.
+
+    Call after the weights are loaded. Each timed call runs on the next layer of the group in turn,
+    so weights come from memory as they do in a real forward pass. A kernel is exact if its relative
+    Frobenius error against a float64 reference is <= 16 * eps(dtype) * sqrt(in_features); inexact
+    kernels are never chosen. ``rounds`` passes over the candidates, each of about ``target_s``
+    (at most 50 calls) per candidate, keep each one's best per-call time; after the first, those
+    slower than ``prune`` x the best are dropped. M above ``max(m_values)`` uses the choice for ``max(m_values)``.
+    Non-CPU layers keep ``F.linear`` and are not timed.
+    """
+    t_start = time.perf_counter()
+    table = KernelTable(threads=torch.get_num_threads())
+    groups: dict[tuple[Any, ...], list[Linear]] = {}
+    for layer in linears:
+        if layer.transposed:
+            key = (layer.in_features, layer.out_features, layer.dtype, layer.bias is not None)
+            groups.setdefault(key, []).append(layer)
+    gen = torch.Generator().manual_seed(0)
+    for (k, n, dtype, _), layers in groups.items():
+        names = [
+            s.name for s in KERNELS.values()
+            if (kernels is None or s.name in kernels) and s.supports(layers[0])
+        ]  # fmt: skip
+        fns = {name: [KERNELS[name].build(ly, table.shared) for ly in layers] for name in names}
+        tol = 16 * torch.finfo(dtype).eps * k**0.5
+        plan: dict[int, str] = {}
+        for m in sorted(set(m_values)):
+            x = torch.randn((m, k), generator=gen).to(dtype)
+            best: dict[str, float] = {}
+            cells: dict[str, Timing] = {}
+            for name in names:
+                t0 = time.perf_counter()
+                y = fns[name][0](x)  # warm-up + exactness check
+                first = time.perf_counter() - t0
+                err = _rel_err(layers[0], x, y)
+                cells[name] = Timing((k, n), m, name, float("inf"), 0.0, err, err <= tol)
+                if err <= tol:
+                    best[name] = first
+            for r in range(rounds):
+                fastest = min(best.values(), default=0.0)
+                for name in [nm for nm, t in best.items() if r == 0 or t <= prune * fastest]:
+                    calls = max(1, min(50, int(target_s / max(best[name], 1e-6))))
+                    t0 = time.perf_counter()
+                    for i in range(calls):
+                        fns[name][i % len(layers)](x)
+                    best[name] = min(best[name], (time.perf_counter() - t0) / calls)
+                    cells[name].ms = best[name] * 1e3
+                    cells[name].gbps = k * n * x.element_size() / best[name] / 1e9
+            if not best:  # nothing exact: fall back to F.linear
+                fns.setdefault("torch", [_build_torch(ly, table.shared) for ly in layers])
+            plan[m] = min(best, key=lambda nm: cells[nm].ms, default="torch")
+            table.timings.extend(cells.values())
+        table.chosen[(k, n)] = plan
+        for i, layer in enumerate(layers):
+            layer.install({m: (name, fns[name][i]) for m, name in plan.items()})
+    table.seconds = time.perf_counter() - t_start
+    return table

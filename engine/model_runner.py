@@ -1,0 +1,158 @@
+"""Owns the model and its paged KV tensors; turns a scheduled batch into one forward pass."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata, KVCache, select_backend
+from engine.layers.linear import select_kernels
+from engine.models.llama import LlamaConfig, LlamaModel
+from engine.models.loader import load_weights
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str | None, device: str) -> torch.dtype:
+    """An explicit dtype wins; else float32 on CPU, and on CUDA the config's half type or float16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is not None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    if device.startswith("cuda"):
+        return torch.bfloat16 if config_dtype == "bfloat16" else torch.float16
+    return torch.float32
+
+
+@dataclass
+class SequenceInput:
+    """One sequence's share of a forward step.
+
+    `token_ids` are written to cache positions `num_computed_tokens + j`. Their RoPE positions are
+    `positions` when given (draft trees: depth-based), else consecutive from
+    `num_computed_tokens`. `logits_indices` picks which new tokens get logits and hidden states
+    (default: the last one).
+    """
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    positions: list[int] | None = None
+    tree_mask: torch.Tensor | None = None  # [len(token_ids), len(token_ids)] bool
+    logits_indices: list[int] | None = None
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [M, vocab] float32, rows in input order of the selected tokens
+    hidden_states: torch.Tensor  # [M, hidden]: final-norm states at the same rows
+    num_rows: list[int] = field(default_factory=list)  # rows per sequence
+
+
+class ModelRunner:
+    """Loads a Llama folder, allocates `num_blocks` KV blocks per layer, executes steps."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        num_blocks: int,
+        dtype: str | torch.dtype | None = None,
+        device: str = "cpu",
+        block_size: int | None = None,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.config = LlamaConfig.from_folder(self.model_path)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.config.torch_dtype, device)
+        self.backend = backend or select_backend(device, block_size)
+        self.block_size = self.backend.block_size
+        self.model = LlamaModel(self.config, self.backend, self.dtype, self.device)
+        load_weights(self.model, self.model_path)
+        self.model.eval()
+        if self.device.type == "cpu":
+            select_kernels(self.model.linears())
+        cfg = self.config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.num_blocks = num_blocks
+        self.kv_caches: list[KVCache] = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        logger.info(
+            "loaded %s (%s, %s, attention %s, %d KV blocks of %d)",
+            self.model_path.name, self.dtype, self.device, self.backend.name,
+            num_blocks, self.block_size,
+        )
+
+    def slot_mapping(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of a forked tail)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            key_cache[dst] = key_cache[src]
+            value_cache[dst] = value_cache[src]
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SequenceInput]) -> ModelOutput:
+        """Run one forward pass over every sequence's new tokens."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        num_rows: list[int] = []
+        for seq in seqs:
+            n, start = len(seq.token_ids), seq.num_computed_tokens
+            offset = len(input_ids)
+            input_ids += seq.token_ids
+            positions += seq.positions if seq.positions is not None else range(start, start + n)
+            slots += self.slot_mapping(seq.block_table, start, start + n)
+            picked = seq.logits_indices if seq.logits_indices is not None else [n - 1]
+            rows += [offset + j for j in picked]
+            num_rows.append(len(picked))
+        max_blocks = max(len(s.block_table) for s in seqs)
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_lens=[len(s.token_ids) for s in seqs],
+            seq_lens=[s.num_computed_tokens + len(s.token_ids) for s in seqs],
+            block_tables=torch.tensor(
+                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+                dtype=torch.int32,
+                device=device,
+            ),
+            max_position=max(positions),
+            tree_masks=[s.tree_mask for s in seqs],
+        )
+        self.backend.prepare(metadata)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            self.kv_caches,
+            metadata,
+        )
+        if len(rows) != hidden.shape[0] or rows != list(range(len(rows))):
+            hidden = hidden[torch.tensor(rows, device=device)]
+        logits = self.model.compute_logits(hidden).float()
+        return ModelOutput(logits=logits, hidden_states=hidden, num_rows=num_rows)

@@ -1,0 +1,314 @@
+"""Llama (Llama-2/3, SmolLM2) over a paged KV cache.
+
+The model takes one flat batch of new tokens from many sequences (prompt chunks, decode tokens,
+draft-tree tokens) and explicit attention metadata; it never sees requests or sequences. Layers are
+laid out for a later tensor-parallel split: `qkv_proj` and `gate_up_proj` are column-parallel (fused
+outputs, split by heads / by rows), `o_proj` and `down_proj` are row-parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata, KVCache
+from engine.layers.linear import Linear
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The subset of an HF `config.json` this implementation reads."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    torch_dtype: str | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """Read an HF Llama config (transformers 4.x or 5.x spelling); raise ValueError naming a
+        missing or unsupported field."""
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if key not in cfg:
+                raise ValueError(f"config.json has no '{key}'")
+        num_heads = int(cfg["num_attention_heads"])
+        rope = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or rope or None
+        if scaling is not None:
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type not in ("default", "linear", "llama3"):
+                raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+            scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> LlamaConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"model config not found: {config_file}")
+        try:
+            return cls.from_dict(json.loads(config_file.read_text()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{config_file}: {e}") from e
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, as transformers computes them."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table, grown on demand."""
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.inv_freq = rope_inv_freq(config).to(device)
+        self.dtype = dtype
+        self._cos_sin = torch.empty(0, config.head_dim, dtype=dtype, device=device)
+        self._grow(config.max_position_embeddings)
+
+    def _grow(self, num_positions: int) -> None:
+        positions = torch.arange(num_positions, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]  # [P, D/2]
+        # [P, D]: cos in the first half, sin in the second.
+        self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(self.dtype)
+
+    def forward(self, positions: torch.Tensor, max_position: int, qk: torch.Tensor) -> torch.Tensor:
+        """Rotate `qk` [N, heads, D] (queries and keys stacked on the head axis) in place order;
+        `positions` [N]; `max_position` bounds positions (avoids a device sync)."""
+        if max_position >= self._cos_sin.shape[0]:
+            self._grow(max(2 * self._cos_sin.shape[0], max_position + 1))
+        cos, sin = self._cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
+        x1, x2 = qk.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        hidden = config.hidden_size
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
+        self.o_proj = Linear(self.q_size, hidden, dtype=dtype, device=device)
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, hidden]
+        positions: torch.Tensor,  # [N]
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [N, hidden]
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)  # [N, q_size + 2 * kv_size]
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
+        qk = self.rotary(positions, attn_metadata.max_position, qk)  # [N, H + kvH, D]
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata)  # [N, H, D]
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        hidden = config.hidden_size
+        self.gate_up_proj = Linear(hidden, 2 * self.intermediate_size, dtype=dtype, device=device)
+        self.down_proj = Linear(self.intermediate_size, hidden, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.self_attn = Attention(config, rotary, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack plus LM head. Parameters are allocated empty; `load_weight` fills them."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config, dtype, device)
+        vocab, hidden = config.vocab_size, config.hidden_size
+        self.lm_head = Linear(hidden, vocab, dtype=dtype, device=device)
+        self.embed_tokens = (
+            None
+            if config.tie_word_embeddings
+            else nn.Parameter(torch.empty(vocab, hidden, dtype=dtype, device=device), False)
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary, backend, dtype, device)
+            for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[N] -> [N, hidden]."""
+        if self.embed_tokens is None:
+            return self.lm_head.embedding_rows(input_ids)
+        return self.embed_tokens[input_ids]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N]
+        positions: torch.Tensor,  # [N]
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [N, hidden]: final-norm hidden states
+        x = self.embed(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, kv_cache, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, hidden] final-norm states -> [M, vocab] logits."""
+        return self.lm_head(hidden)
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
+    # -- weight loading -------------------------------------------------------------------
+
+    def weight_targets(self) -> dict[str, tuple[Any, int]]:
+        """Every checkpoint tensor name (HF Llama naming) -> (destination, row offset).
+
+        A destination is a `Linear` (filled with `load_rows`) or a parameter tensor (copied whole).
+        """
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        targets: dict[str, tuple[Any, int]] = {
+            "model.norm.weight": (self.norm.weight, 0),
+            "model.embed_tokens.weight": (
+                self.lm_head if self.embed_tokens is None else self.embed_tokens,
+                0,
+            ),
+        }
+        if self.embed_tokens is not None:
+            targets["lm_head.weight"] = (self.lm_head, 0)
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
+            targets |= {
+                p + "input_layernorm.weight": (layer.input_layernorm.weight, 0),
+                p + "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, 0),
+                p + "self_attn.q_proj.weight": (attn.qkv_proj, 0),
+                p + "self_attn.k_proj.weight": (attn.qkv_proj, q),
+                p + "self_attn.v_proj.weight": (attn.qkv_proj, q + kv),
+                p + "self_attn.o_proj.weight": (attn.o_proj, 0),
+                p + "mlp.gate_proj.weight": (mlp.gate_up_proj, 0),
+                p + "mlp.up_proj.weight": (mlp.gate_up_proj, inter),
+                p + "mlp.down_proj.weight": (mlp.down_proj, 0),
+            }
+        return targets

@@ -1,0 +1,114 @@
+"""Streams HF checkpoint tensors straight into a model's final parameters.
+
+Supported layouts: `model.safetensors`, sharded safetensors with `model.safetensors.index.json`,
+and `pytorch_model.bin` (sharded or not, memory-mapped). At most one checkpoint tensor is
+materialised at a time, so loading never needs a second full copy of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import safe_open
+
+from engine.layers.linear import Linear
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or does not match the model."""
+
+
+class Loadable(Protocol):
+    def weight_targets(self) -> dict[str, tuple[Any, int]]: ...
+
+
+def checkpoint_files(folder: Path) -> tuple[list[Path], dict[str, Path]]:
+    """The checkpoint's files in load order, and for sharded ones, where each tensor should be."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index_file = folder / index_name
+        if index_file.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"{index_file}: malformed index ({e})") from e
+            where = {name: folder / shard for name, shard in weight_map.items()}
+            files = sorted(set(where.values()))
+            for f in files:
+                if not f.is_file():
+                    raise CheckpointError(f"{index_file}: shard {f.name} is missing")
+            return files, where
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / name).is_file():
+            return [folder / name], {}
+    raise CheckpointError(
+        f"{folder}: no checkpoint found (looked for model.safetensors, "
+        "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json)"
+    )
+
+
+def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, on the CPU."""
+    if file.suffix == ".safetensors":
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names = list(f.keys())
+                for name in names:
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError, ValueError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
+        return
+    try:
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{file}: unreadable torch checkpoint ({e})") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: expected a state dict, found {type(state).__name__}")
+    yield from state.items()
+
+
+def load_weights(model: Loadable, folder: str | Path) -> None:
+    """Copy every checkpoint tensor into `model.weight_targets()`; every target must be filled.
+
+    Raises CheckpointError naming the file and the tensor for a missing, unexpected or
+    mis-shaped tensor.
+    """
+    folder = Path(folder)
+    targets = model.weight_targets()
+    files, where = checkpoint_files(folder)
+    loaded: set[str] = set()
+    for file in files:
+        for name, tensor in iter_tensors(file):
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name not in targets:
+                if name == "lm_head.weight" and "lm_head.weight" not in targets:
+                    continue  # a tied checkpoint that also stores the head
+                raise CheckpointError(f"{file}: unexpected tensor '{name}'")
+            dest, row_offset = targets[name]
+            try:
+                if isinstance(dest, Linear):
+                    dest.load_rows(row_offset, tensor)
+                else:
+                    if tuple(tensor.shape) != tuple(dest.shape):
+                        raise ValueError(
+                            f"expected shape {tuple(dest.shape)}, found {tuple(tensor.shape)}"
+                        )
+                    with torch.no_grad():
+                        dest.copy_(tensor)
+            except ValueError as e:
+                raise CheckpointError(f"{file}: tensor '{name}': {e}") from e
+            loaded.add(name)
+    missing = sorted(targets.keys() - loaded)
+    if missing:
+        name = missing[0]
+        file_hint = where.get(name, files[0] if len(files) == 1 else folder)
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{file_hint}: missing tensor '{name}'{more}")

@@ -1,0 +1,32 @@
+"""Per-request decoding parameters, as the engine sees them (no protobuf here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Greedy when `temperature` is 0; otherwise seeded sampling with top-k / top-p filtering."""
+
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k filtering
+    top_p: float = 1.0  # 1.0: no nucleus filtering
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be non-negative")
+        if self.top_k < 0:
+            raise ValueError("top_k must be non-negative")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

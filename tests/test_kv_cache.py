@@ -1,0 +1,383 @@
+"""CPU tests for engine/kv_cache.py against a brute-force oracle and a simulated K/V store."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+
+from engine.kv_cache import KVCacheError, KVCacheManager
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Oracle:
+    """Independent model: expected contents per sequence, plus a fake K/V store (one int per
+    slot) that receives every write through `slot_mapping` and every fork copy. If two live
+    sequences ever alias a written slot, their read-back contents diverge from the expectation."""
+
+    def __init__(self, mgr: KVCacheManager) -> None:
+        self.mgr = mgr
+        self.bs = mgr.block_size
+        self.store = [-1] * (mgr.num_blocks * mgr.block_size)
+        self.tokens: dict[int, list[int]] = {}
+        self.counter = 0
+
+    def write(self, seq: int, start: int, end: int) -> None:
+        vals = list(range(self.counter, self.counter + end - start))
+        self.counter += end - start
+        for slot, v in zip(self.mgr.slot_mapping(seq, start, end), vals, strict=True):
+            self.store[slot] = v
+        self.tokens[seq][start:end] = vals
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        bs = self.bs
+        for src, dst in copies:
+            self.store[dst * bs : (dst + 1) * bs] = self.store[src * bs : (src + 1) * bs]
+
+    def check(self) -> None:
+        mgr = self.mgr
+        mgr.check_integrity()
+        refs: Counter[int] = Counter()
+        for seq, toks in self.tokens.items():
+            assert mgr.has(seq)
+            assert mgr.num_tokens(seq) == len(toks)
+            table = mgr.block_table(seq)
+            assert len(table) == cdiv(len(toks), self.bs)
+            refs.update(table)
+            slots = mgr.slot_mapping(seq, 0, len(toks))
+            assert [self.store[s] for s in slots] == toks, f"seq {seq} contents corrupted"
+        for b in range(mgr.num_blocks):
+            assert mgr.pool.ref_cnt(b) == refs[b]
+        assert mgr.num_used_blocks == len(refs)
+        assert mgr.num_free_blocks == mgr.num_blocks - len(refs)
+        assert set(mgr.pool.free_queue()) == set(range(mgr.num_blocks)) - set(refs)
+
+
+def shared_partial_tail(mgr: KVCacheManager, seq: int, n: int) -> bool:
+    if n % mgr.block_size == 0:
+        return False
+    return mgr.pool.ref_cnt(mgr.block_table(seq)[n // mgr.block_size]) > 1
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_ops_against_oracle(block_size: int, seed: int) -> None:
+    rng = random.Random(seed * 1000 + block_size)
+    num_blocks = 48 if block_size > 1 else 160
+    mgr = KVCacheManager(num_blocks, block_size)
+    orc = Oracle(mgr)
+    max_len = 6 * block_size if block_size > 1 else 40
+    next_id = 0
+    for _ in range(2500):
+        seqs = list(orc.tokens)
+        op = rng.choice(["new", "grow", "grow", "fork", "truncate", "truncate", "free", "spec"])
+        if op == "new" or not seqs:
+            n = rng.randint(0, max_len)
+            free_before = mgr.num_free_blocks
+            ok = mgr.allocate_slots(next_id, n)
+            assert ok == (cdiv(n, block_size) <= free_before)
+            if ok:
+                orc.tokens[next_id] = []
+                orc.write(next_id, 0, n)
+                assert mgr.num_free_blocks == free_before - cdiv(n, block_size)
+            else:
+                assert not mgr.has(next_id) and mgr.num_free_blocks == free_before
+            next_id += 1
+        elif op in ("grow", "spec"):
+            seq = rng.choice(seqs)
+            old = len(orc.tokens[seq])
+            n = old + rng.randint(0, 2 * block_size + 3)
+            need = cdiv(n, block_size) - len(mgr.block_table(seq))
+            assert mgr.num_blocks_needed(seq, n) == need
+            assert mgr.can_allocate(seq, n) == (need <= mgr.num_free_blocks)
+            free_before, table_before = mgr.num_free_blocks, mgr.block_table(seq)
+            if mgr.allocate_slots(seq, n):
+                assert mgr.num_free_blocks == free_before - need
+                assert mgr.block_table(seq)[: len(table_before)] == table_before
+                orc.write(seq, old, n)
+                if op == "spec":  # drafts written, then roll back to an accepted prefix
+                    accepted = rng.randint(old, n)
+                    if not shared_partial_tail(mgr, seq, accepted):
+                        mgr.truncate(seq, accepted)
+                        del orc.tokens[seq][accepted:]
+            else:
+                assert need > free_before
+                assert mgr.num_free_blocks == free_before
+                assert mgr.block_table(seq) == table_before and mgr.num_tokens(seq) == old
+        elif op == "fork":
+            parent = rng.choice(seqs)
+            n = rng.randint(0, len(orc.tokens[parent]))
+            free_before = mgr.num_free_blocks
+            if n % block_size and free_before == 0:
+                with pytest.raises(KVCacheError):
+                    mgr.fork(parent, next_id, n)
+                assert not mgr.has(next_id)
+            else:
+                copies = mgr.fork(parent, next_id, n)
+                assert len(copies) == (1 if n % block_size else 0)
+                assert (
+                    mgr.block_table(next_id)[: n // block_size]
+                    == (mgr.block_table(parent)[: n // block_size])
+                )
+                if copies:
+                    assert copies[0][0] == mgr.block_table(parent)[n // block_size]
+                    assert copies[0][1] == mgr.block_table(next_id)[-1]
+                orc.copy_blocks(copies)
+                orc.tokens[next_id] = orc.tokens[parent][:n]
+                assert mgr.num_free_blocks == free_before - len(copies)
+            next_id += 1
+        elif op == "truncate":
+            seq = rng.choice(seqs)
+            n = rng.randint(0, len(orc.tokens[seq]))
+            if shared_partial_tail(mgr, seq, n):
+                before = mgr.block_table(seq)
+                with pytest.raises(KVCacheError):
+                    mgr.truncate(seq, n)
+                assert mgr.block_table(seq) == before
+            else:
+                mgr.truncate(seq, n)
+                del orc.tokens[seq][n:]
+        else:
+            seq = rng.choice(seqs)
+            mgr.free(seq)
+            del orc.tokens[seq]
+        orc.check()
+    for seq in list(orc.tokens):
+        mgr.free(seq)
+        del orc.tokens[seq]
+        orc.check()
+    assert mgr.num_free_blocks == num_blocks and mgr.num_used_blocks == 0
+    assert sorted(mgr.pool.free_queue()) == list(range(num_blocks))
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_slot_mapping_arithmetic(block_size: int) -> None:
+    mgr = KVCacheManager(64, block_size)
+    assert mgr.allocate_slots("a", 1)  # interleave so tables are not contiguous
+    assert mgr.allocate_slots("b", 3 * block_size + 1)
+    assert mgr.allocate_slots("a", 2 * block_size + 5)
+    for seq in ("a", "b"):
+        table, n = mgr.block_table(seq), mgr.num_tokens(seq)
+        want = [table[p // block_size] * block_size + p % block_size for p in range(n)]
+        assert mgr.slot_mapping(seq, 0, n) == want
+        for start in range(n + 1):
+            end = min(n, start + block_size + 2)
+            assert mgr.slot_mapping(seq, start, end) == want[start:end]
+        with pytest.raises(KVCacheError):
+            mgr.slot_mapping(seq, 0, n + 1)
+        with pytest.raises(KVCacheError):
+            mgr.slot_mapping(seq, -1, 1)
+    with pytest.raises(KVCacheError):
+        mgr.slot_mapping("nope", 0, 0)
+
+
+def test_allocation_all_or_nothing() -> None:
+    mgr = KVCacheManager(4, 16)
+    assert mgr.allocate_slots("a", 33)  # 3 blocks
+    assert not mgr.can_allocate("b", 17)
+    assert not mgr.allocate_slots("b", 17)
+    assert not mgr.has("b") and mgr.num_free_blocks == 1
+    assert not mgr.allocate_slots("a", 65)  # needs 2 more, 1 free
+    assert mgr.num_tokens("a") == 33 and len(mgr.block_table("a")) == 3
+    assert mgr.allocate_slots("a", 48)  # fits in the current 3 blocks
+    assert mgr.num_free_blocks == 1 and mgr.num_tokens("a") == 48
+    assert mgr.allocate_slots("a", 10)  # never shrinks
+    assert mgr.num_tokens("a") == 48
+    assert mgr.allocate_slots("b", 16) and mgr.num_free_blocks == 0
+    assert mgr.allocate_slots("c", 0) and mgr.block_table("c") == []
+    mgr.check_integrity()
+
+
+def test_free_queue_fifo_tail_first() -> None:
+    mgr = KVCacheManager(6, 4)
+    assert mgr.allocate_slots("a", 8) and mgr.block_table("a") == [0, 1]
+    assert mgr.allocate_slots("b", 8) and mgr.block_table("b") == [2, 3]
+    mgr.free("a")
+    mgr.truncate("b", 4)
+    assert mgr.pool.free_queue() == [4, 5, 1, 0, 3]
+    assert mgr.allocate_slots("c", 20)
+    assert mgr.block_table("c") == [4, 5, 1, 0, 3]
+
+
+def test_conformance_vectors() -> None:
+    """fms-extras §3.4 vectors, with our allocation order (ascending, not 99, 98, ...)."""
+    mgr = KVCacheManager(100, 16)
+    for i, n in enumerate([5, 18, 40]):
+        assert mgr.allocate_slots(i, n)
+    assert mgr.num_used_blocks == 6
+    assert [mgr.block_table(i) for i in range(3)] == [[0], [1, 2], [3, 4, 5]]
+    assert mgr.slot_mapping(0, 0, 5) == list(range(5))
+    for i, extra in enumerate([12, 1, 1]):
+        assert mgr.allocate_slots(i, mgr.num_tokens(i) + extra)
+    assert [mgr.num_tokens(i) for i in range(3)] == [17, 19, 41]
+    assert mgr.slot_mapping(0, 5, 17) == [*range(5, 16), 6 * 16]
+    assert mgr.num_used_blocks == 7
+
+    # Fork 3 children of a 5-token prompt: 3 copied tail blocks. A 32-token parent copies none.
+    mgr = KVCacheManager(100, 16)
+    assert mgr.allocate_slots("p5", 5) and mgr.allocate_slots("p32", 32)
+    copies = [mgr.fork("p5", f"c{i}", 5) for i in range(3)]
+    assert all(len(c) == 1 and c[0][0] == mgr.block_table("p5")[0] for c in copies)
+    assert len({c[0][1] for c in copies}) == 3
+    assert mgr.fork("p32", "d", 32) == []
+    assert mgr.num_used_blocks == 1 + 2 + 3
+    for leaf in ["c0", "c1", "c2", "d"]:
+        assert mgr.allocate_slots(leaf, mgr.num_tokens(leaf) + 1)
+    assert mgr.num_used_blocks == 1 + 2 + 3 + 1  # only d needed a new block
+    for seq in ["c0", "c1", "c2", "d", "p5", "p32"]:
+        mgr.free(seq)
+    assert mgr.num_free_blocks == 100
+    mgr.check_integrity()
+
+
+def test_fork_errors_and_shortage() -> None:
+    mgr = KVCacheManager(2, 16)
+    assert mgr.allocate_slots("p", 20)
+    assert mgr.num_free_blocks == 0
+    with pytest.raises(KVCacheError):
+        mgr.fork("p", "c", 20)  # partial tail needs a block: none free
+    assert not mgr.has("c") and mgr.pool.ref_cnt(0) == 1
+    assert mgr.fork("p", "c", 16) == []  # block-aligned: no block needed
+    assert mgr.pool.ref_cnt(0) == 2
+    with pytest.raises(KVCacheError):
+        mgr.fork("p", "c", 0)  # child exists
+    with pytest.raises(KVCacheError):
+        mgr.fork("p", "x", 21)  # beyond parent length
+    with pytest.raises(KVCacheError):
+        mgr.fork("nope", "x", 0)
+    mgr.check_integrity()
+
+
+def test_truncate_releases_blocks() -> None:
+    mgr = KVCacheManager(8, 16)
+    assert mgr.allocate_slots("a", 70)  # 5 blocks
+    mgr.truncate("a", 33)
+    assert len(mgr.block_table("a")) == 3 and mgr.num_free_blocks == 5
+    mgr.truncate("a", 32)  # exactly 2 blocks: no empty tail block kept (fms B9)
+    assert len(mgr.block_table("a")) == 2
+    mgr.truncate("a", 0)
+    assert mgr.has("a") and mgr.block_table("a") == [] and mgr.num_free_blocks == 8
+    with pytest.raises(KVCacheError):
+        mgr.truncate("a", 1)
+    assert mgr.allocate_slots("b", 40) and mgr.fork("b", "c", 32) == []
+    with pytest.raises(KVCacheError):
+        mgr.truncate("c", 20)  # would make shared block partly filled
+    mgr.truncate("c", 16)
+    assert mgr.pool.ref_cnt(mgr.block_table("b")[1]) == 1
+    mgr.truncate("b", 20)  # block 1 is now owned by b alone
+    mgr.check_integrity()
+
+
+def test_spec_decode_steps_do_not_leak() -> None:
+    """fms B1 regression: after every step, used blocks == what the accepted tokens need."""
+    rng = random.Random(7)
+    bs, k = 16, 4
+    mgr = KVCacheManager(64, bs)
+    assert mgr.allocate_slots("s", 21)
+    cur = "s"
+    for step in range(300):
+        n = mgr.num_tokens(cur)
+        if step % 2:  # vLLM style: draft slots on the sequence itself, then truncate
+            assert mgr.allocate_slots(cur, n + k + 1)
+            mgr.truncate(cur, n + rng.randint(1, k + 1))
+        else:  # tree style: fork candidates, keep the best, free the rest and the parent
+            kids = [f"{step}.{i}" for i in range(3)]
+            for kid in kids:
+                mgr.fork(cur, kid, n)
+                assert mgr.allocate_slots(kid, n + k + 1)
+            best = rng.choice(kids)
+            for seq in [cur, *kids]:
+                if seq != best:
+                    mgr.free(seq)
+            mgr.truncate(best, n + rng.randint(1, k + 1))
+            cur = best
+        if mgr.num_tokens(cur) > 600:
+            mgr.truncate(cur, 21)
+        assert mgr.num_used_blocks == cdiv(mgr.num_tokens(cur), bs)
+        mgr.check_integrity()
+    mgr.free(cur)
+    assert mgr.num_free_blocks == 64
+
+
+def _fresh() -> KVCacheManager:
+    mgr = KVCacheManager(8, 4)
+    assert mgr.allocate_slots("a", 10)  # 3 blocks, last partial
+    assert mgr.allocate_slots("b", 4)
+    mgr.fork("a", "c", 8)  # shares a's first 2 (full) blocks
+    mgr.check_integrity()
+    return mgr
+
+
+def _corrupt_ref(m: KVCacheManager) -> None:
+    m.pool._ref_cnt[m.block_table("b")[0]] += 1
+
+
+def _leak(m: KVCacheManager) -> None:
+    m.pool._free_queue.popitem(last=False)
+
+
+def _free_but_used(m: KVCacheManager) -> None:
+    m.pool._free_queue[m.block_table("b")[0]] = None
+
+
+def _twice_in_table(m: KVCacheManager) -> None:
+    b = m.block_table("a")[0]
+    m._tables["a"].append(b)
+    m._num_tokens["a"] = 16
+    m.pool._ref_cnt[b] += 1
+
+
+def _length_mismatch(m: KVCacheManager) -> None:
+    m._num_tokens["b"] = 5
+
+
+def _shared_partial(m: KVCacheManager) -> None:
+    m._tables["c"].append(m.block_table("a")[2])  # a's partial tail, not a copy
+    m._num_tokens["c"] = 9
+    m.pool._ref_cnt[m.block_table("a")[2]] += 1
+
+
+def _bad_block_id(m: KVCacheManager) -> None:
+    m._tables["b"][0] = 99
+
+
+@pytest.mark.parametrize(
+    ("tamper", "match"),
+    [
+        (_corrupt_ref, "ref_cnt 2, held by 1"),
+        (_leak, "ref_cnt 0, held by 0|free .* != 8"),
+        (_free_but_used, "in the free queue but referenced"),
+        (_twice_in_table, "twice"),
+        (_length_mismatch, "1 blocks for 5 tokens"),
+        (_shared_partial, "not full"),
+        (_bad_block_id, "out of range"),
+    ],
+)
+def test_integrity_detects_corruption(tamper: Callable[[KVCacheManager], None], match: str) -> None:
+    mgr = _fresh()
+    tamper(mgr)
+    with pytest.raises(KVCacheError, match=match):
+        mgr.check_integrity()
+
+
+def test_misuse_raises() -> None:
+    mgr = KVCacheManager(4, 16)
+    for call in (
+        lambda: mgr.free("x"),
+        lambda: mgr.block_table("x"),
+        lambda: mgr.num_tokens("x"),
+        lambda: mgr.truncate("x", 0),
+        lambda: mgr.num_blocks_needed("x", -1),
+    ):
+        with pytest.raises(KVCacheError):
+            call()
+    with pytest.raises(ValueError):
+        KVCacheManager(0, 16)
+    with pytest.raises(ValueError):
+        KVCacheManager(4, 0)
+    assert (mgr.num_blocks, mgr.block_size, mgr.num_used_blocks) == (4, 16, 0)

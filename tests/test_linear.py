@@ -1,0 +1,188 @@
+"""engine.layers.linear against an independent float64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.linear import KERNELS, Linear, select_kernels
+
+SHAPES = [(64, 96), (96, 40)]  # (in, out)
+MS = [1, 3, 8, 33, 300]
+
+
+def make(k: int, n: int, bias: bool, seed: int = 0) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn((n, k), generator=g, dtype=torch.float64)
+    b = torch.randn(n, generator=g, dtype=torch.float64)
+    layer = Linear(k, n, bias=bias, dtype=torch.float32, device="cpu")
+    layer.load_rows(0, w)
+    if bias:
+        layer.load_bias(0, b)
+    # oracle uses the fp32-rounded weights the layer holds, in float64
+    return layer, w.float().double(), b.float().double()
+
+
+def oracle(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.t()
+    return y if b is None else y + b
+
+
+def check(y: torch.Tensor, ref: torch.Tensor) -> None:
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    scale = ref.abs().max().item() if ref.numel() else 1.0
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * scale)
+
+
+def available(layer: Linear) -> list[str]:
+    return [name for name, spec in KERNELS.items() if spec.supports(layer)]
+
+
+def test_cpu_fp32_has_all_kernels() -> None:
+    layer = Linear(8, 8, dtype=torch.float32, device="cpu")
+    assert set(available(layer)) == {"torch", "onednn", "openblas", "mlas"}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_every_kernel_matches_oracle(k: int, n: int, bias: bool) -> None:
+    layer, w, b = make(k, n, bias)
+    g = torch.Generator().manual_seed(1)
+    for name in available(layer):
+        fn = KERNELS[name].build(layer, {})
+        for m in MS:
+            x = torch.randn((m, k), generator=g)
+            check(fn(x), oracle(x, w, b if bias else None))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_default_and_after_selection(bias: bool) -> None:
+    layers = [make(64, 96, bias, seed=s) for s in range(3)]
+    xs = [torch.randn(m, 64) for m in [*MS, 0, 64, 65, 500]]
+    for phase in ("default", "selected"):
+        if phase == "selected":
+            table = select_kernels([ly for ly, _, _ in layers], m_values=(1, 4, 16), target_s=2e-4)
+            assert set(table.chosen[(64, 96)]) == {1, 4, 16}
+        for layer, w, b in layers:
+            for x in xs:
+                check(layer(x), oracle(x, w, b if bias else None))
+
+
+def test_forward_non_contiguous_input_and_inference_mode() -> None:
+    layer, w, _ = make(64, 96, False)
+    for name in available(layer):
+        fn = KERNELS[name].build(layer, {})
+        x = torch.randn(64, 10).t()  # [10, 64], non-contiguous
+        check(fn(x), oracle(x, w, None))
+        with torch.inference_mode():
+            x = torch.randn(5, 64)
+            check(fn(x), oracle(x, w, None))
+
+
+def test_load_rows_fused_from_parts() -> None:
+    k = 32
+    parts = [torch.randn(n, k, dtype=torch.bfloat16) for n in (16, 8, 8)]  # q, k, v
+    layer = Linear(k, 32, dtype=torch.float32, device="cpu")
+    offset = 0
+    for p in parts:
+        layer.load_rows(offset, p)
+        offset += p.shape[0]
+    full = torch.cat(parts).float()
+    assert torch.equal(layer.weight_view(), full)
+    x = torch.randn(7, k)
+    check(layer(x), oracle(x, full.double(), None))
+
+
+def test_load_bias_at_offsets() -> None:
+    layer = Linear(4, 6, bias=True, dtype=torch.float32, device="cpu")
+    layer.load_bias(0, torch.arange(3.0))
+    layer.load_bias(3, torch.arange(3.0, 6.0))
+    assert layer.bias is not None and torch.equal(layer.bias, torch.arange(6.0))
+    assert torch.equal(layer(torch.zeros(2, 4)), torch.arange(6.0).expand(2, 6))
+
+
+def test_embedding_rows() -> None:
+    layer, w, _ = make(24, 50, False)
+    ids = torch.tensor([0, 49, 7, 7, 13], dtype=torch.int64)
+    rows = layer.embedding_rows(ids)
+    assert rows.shape == (5, 24) and rows.is_contiguous()
+    assert torch.equal(rows, w.float()[ids])
+
+
+@pytest.mark.parametrize(
+    ("offset", "shape"), [(0, (4, 7)), (0, (9, 8)), (6, (3, 8)), (-1, (2, 8)), (0, (8,))]
+)
+def test_load_rows_wrong_shape_raises(offset: int, shape: tuple[int, ...]) -> None:
+    layer = Linear(8, 8, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"\[8, 8\]|\[rows, 8\]"):
+        layer.load_rows(offset, torch.zeros(shape))
+
+
+def test_load_bias_wrong_shape_raises() -> None:
+    with pytest.raises(ValueError, match="bias=False"):
+        Linear(4, 4, dtype=torch.float32, device="cpu").load_bias(0, torch.zeros(4))
+    layer = Linear(4, 4, bias=True, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"\[5\]"):
+        layer.load_bias(0, torch.zeros(5))
+
+
+def test_selection_rejects_inexact_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that computes in bfloat16 is fast but inexact: it must never be chosen."""
+    from engine.layers import linear as mod
+
+    def build_bf16(layer: Linear, shared: dict) -> mod.KernelFn:
+        w = layer.weight_view().bfloat16()
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return (x.bfloat16() @ w.t()).float()
+
+        return run
+
+    def build_slow(layer: Linear, shared: dict) -> mod.KernelFn:
+        inner = mod._build_torch(layer, shared)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for _ in range(20):
+                y = inner(x)
+            return y
+
+        return run
+
+    fake = {
+        "cheat": mod.KernelSpec("cheat", "bf16", lambda _: True, build_bf16),
+        "slow": mod.KernelSpec("slow", "exact but slow", lambda _: True, build_slow),
+    }
+    monkeypatch.setattr(mod, "KERNELS", fake)
+    layer, w, _ = make(256, 128, False)
+    table = select_kernels([layer], m_values=(1, 8), target_s=2e-4)
+    assert table.chosen[(256, 128)] == {1: "slow", 8: "slow"}
+    assert all(not t.exact for t in table.timings if t.kernel == "cheat")
+    assert all(t.exact for t in table.timings if t.kernel == "slow")
+    x = torch.randn(8, 256)
+    check(layer(x), oracle(x, w, None))
+    assert "inexact" in table.format()
+
+
+def test_selection_shares_shapes_and_reports() -> None:
+    layers = [make(64, 96, False, seed=s)[0] for s in range(2)] + [make(96, 40, True)[0]]
+    table = select_kernels(layers, m_values=(1, 8), target_s=2e-4)
+    assert set(table.chosen) == {(64, 96), (96, 40)}
+    # one timing row per (shape, M, kernel), shared by the two layers of shape (64, 96)
+    assert len(table.timings) == 2 * 2 * len(available(layers[0]))
+    for layer in layers:
+        shape = (layer.in_features, layer.out_features)
+        assert layer.kernel_names == table.chosen[shape]
+        for m, name in table.chosen[shape].items():
+            cell = next(t for t in table.timings if (t.shape, t.m, t.kernel) == (shape, m, name))
+            assert cell.exact
+    assert "64->96" in table.format()
+
+
+def test_non_fp32_cpu_uses_torch() -> None:
+    layer = Linear(16, 8, dtype=torch.float64, device="cpu")
+    assert available(layer) == ["torch", "onednn"] or "openblas" not in available(layer)
+    w = torch.randn(8, 16, dtype=torch.float64)
+    layer.load_rows(0, w)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), x @ w.t())
+    assert layer.kernel_names == {1: "torch"}
