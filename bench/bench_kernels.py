@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -45,6 +47,26 @@ def build_model(layers: int) -> list[Linear]:
     return out
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+def cpu_ticks() -> tuple[int, int, int]:
+    """(all ticks, busy ticks, this process's ticks) from /proc; zeros where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            cpu = [int(v) for v in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            me = f.read().rsplit(")", 1)[1].split()
+        return sum(cpu), sum(cpu) - cpu[3] - cpu[4], int(me[11]) + int(me[12])
+    except (OSError, IndexError, ValueError):
+        return 0, 0, 0
+
+
 def best_ms(fn: Callable[[], object], seconds: float = 0.1) -> float:
     fn()
     times = []
@@ -67,27 +89,34 @@ def layout_check(ms: tuple[int, ...]) -> list[dict[str, object]]:
             x = torch.randn(m, k)
             xn, out = x.numpy(), np.empty((m, n), np.float32)
             row: dict[str, object] = {"shape": [k, n], "m": m}
-            row["openblas_in_out"] = best_ms(lambda: np.matmul(xn, wt.numpy(), out=out))
-            row["openblas_out_in"] = best_ms(lambda: np.matmul(xn, w.numpy().T, out=out))
-            row["onednn_in_out"] = best_ms(lambda: op(x, wt.t(), None, "none", [], ""))
-            row["onednn_out_in"] = best_ms(lambda: op(x, w, None, "none", [], ""))
+            for key, fn in {
+                "openblas_in_out": partial(np.matmul, xn, wt.numpy(), out=out),
+                "openblas_out_in": partial(np.matmul, xn, w.numpy().T, out=out),
+                "onednn_in_out": partial(op, x, wt.t(), None, "none", [], ""),
+                "onednn_out_in": partial(op, x, w, None, "none", [], ""),
+            }.items():
+                row[key] = best_ms(fn)
             rows.append(row)
     return rows
 
 
 def sequence_check(model: list[Linear], best: dict[tuple[int, int, int], float], m: int) -> dict:
-    """One pass over all layers in model order, as a decode step would call them."""
+    """All layers in model order, as a decode step calls them: bare, and with a small torch op
+    (like a norm or an activation) before each call; against the sum of per-shape best times."""
     xs = {k: torch.randn(m, k) for k in {ly.in_features for ly in model}}
+    ins = [xs[ly.in_features] for ly in model]
 
-    def step() -> None:
-        for layer in model:
-            x = xs[layer.in_features]
-            y = layer(x * 1.0001)  # a small torch op between calls, like norms/activations
-            del y
+    def bare() -> None:
+        for layer, x in zip(model, ins, strict=True):
+            layer(x)
 
-    ms = best_ms(step, seconds=1.0)
-    bare = sum(best[(ly.in_features, ly.out_features, m)] for ly in model)
-    return {"m": m, "sequence_ms": ms, "sum_of_best_ms": bare, "ratio": ms / bare}
+    def with_ops() -> None:
+        for layer, x in zip(model, ins, strict=True):
+            layer(x * 1.0001)
+
+    total = sum(best[(ly.in_features, ly.out_features, m)] for ly in model)
+    bare_ms, ops_ms = best_ms(bare, seconds=1.0), best_ms(with_ops, seconds=1.0)
+    return {"m": m, "bare_ms": bare_ms, "with_ops_ms": ops_ms, "sum_of_best_ms": total}
 
 
 def main() -> None:
@@ -100,6 +129,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = build_model(args.layers)
+    ticks0 = cpu_ticks()
     with torch.inference_mode():
         t0 = time.perf_counter()
         quick = select_kernels(model, M_VALUES[:-1])  # what a server does at start-up
@@ -107,7 +137,8 @@ def main() -> None:
         table = select_kernels(
             model, M_VALUES, rounds=args.rounds, target_s=args.target_ms / 1e3, prune=1e9
         )
-        print(f"threads={table.threads}  selection: default {quick_s:.2f}s, bench {table.seconds:.1f}s")
+        print(f"threads={table.threads}  selection: default {quick_s:.2f}s, ", end="")
+        print(f"this table {table.seconds:.1f}s")
         print("ms per call (GB/s of weights); * = chosen")
         print(table.format())
         layout = layout_check((1, 4, 16))
@@ -123,26 +154,37 @@ def main() -> None:
             if t.exact and table.chosen[t.shape][t.m] == t.kernel:
                 best[(*t.shape, t.m)] = t.ms
         seq = [sequence_check(model, best, m) for m in (1, 4, 16)]
-        print("\ndecode sequence (all layers in model order), chosen kernels")
+        print("\ndecode sequence (all layers in model order, chosen kernels), ms per pass")
         for s in seq:
             print(
-                f"M={s['m']:<3} {s['sequence_ms']:.2f} ms vs sum of best {s['sum_of_best_ms']:.2f}"
-                f" ms: ratio {s['ratio']:.2f}"
+                f"M={s['m']:<3} bare {s['bare_ms']:.2f}  with a torch op per call "
+                f"{s['with_ops_ms']:.2f}  sum of per-shape best {s['sum_of_best_ms']:.2f}"
             )
 
+    ticks = [b - a for a, b in zip(ticks0, cpu_ticks(), strict=True)]
+    other = (ticks[1] - ticks[2]) / max(ticks[0], 1)  # CPU share used by other processes
+    print(f"other processes used {other:.0%} of the CPUs during the run", end="")
+    print(" (timings are contended: rerun on an idle machine)" if other > 0.05 else "")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     result = {
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_name(),
             "cores": os.cpu_count(),
             "torch_threads": table.threads,
             "torch": torch.__version__,
             "numpy": np.__version__,
         },
+        "other_processes_cpu_share": other,
         "default_selection_s": quick_s,
         "default_selection": {f"{k}x{n}": c for (k, n), c in quick.chosen.items()},
         "chosen": {f"{k}x{n}": c for (k, n), c in table.chosen.items()},
-        "timings": [vars(t) for t in table.timings],
+        "timings": [
+            {
+                k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                for k, v in vars(t).items()
+            }
+            for t in table.timings
+        ],
         "layout": layout,
         "sequence": seq,
     }

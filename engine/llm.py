@@ -72,7 +72,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
+        prompts: Sequence[str | Sequence[int]],
         max_new_tokens: int = 64,
         *,
         temperature: float = 0.0,
@@ -113,7 +113,7 @@ class LLM:
             GenerationOutput(
                 prompt_token_ids=s.prompt_token_ids,
                 token_ids=s.output_token_ids,
-                text=self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True),
+                text=str(self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True)),
                 finish_reason=s.finish_reason or "length",
                 logits=s.logits,
             )

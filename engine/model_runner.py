@@ -22,8 +22,11 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str | None, device: str) -> torch.dtype:
-    """An explicit dtype wins; else float32 on CPU, and on CUDA the config's half type or float16."""
+def resolve_dtype(
+    dtype: str | torch.dtype | None, config_dtype: str | None, device: str
+) -> torch.dtype:
+    """An explicit dtype wins; else float32 on CPU, and on CUDA the config's half type or
+    float16."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is not None:
@@ -83,7 +86,7 @@ class ModelRunner:
         load_weights(self.model, self.model_path)
         self.model.eval()
         if self.device.type == "cpu":
-            select_kernels(self.model.linears())
+            self.kernel_table = select_kernels(self.model.linears())
         cfg = self.config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.num_blocks = num_blocks
@@ -96,8 +99,12 @@ class ModelRunner:
         ]
         logger.info(
             "loaded %s (%s, %s, attention %s, %d KV blocks of %d)",
-            self.model_path.name, self.dtype, self.device, self.backend.name,
-            num_blocks, self.block_size,
+            self.model_path.name,
+            self.dtype,
+            self.device,
+            self.backend.name,
+            num_blocks,
+            self.block_size,
         )
 
     def slot_mapping(self, block_table: list[int], start: int, end: int) -> list[int]:

@@ -16,6 +16,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0: no nucleus filtering
     seed: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # stop on any of these (from min_new_tokens on)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -103,7 +103,9 @@ def compare_greedy(
             tolerance = PROMPT_LOGITS_ATOL if i == 0 else DECODE_LOGITS_ATOL
             assert err < tolerance, f"logits at step {i} differ by {err}"
     if first_diff is None:
-        assert len(ours) == len(ref.token_ids), f"lengths differ: {len(ours)} vs {len(ref.token_ids)}"
+        assert len(ours) == len(ref.token_ids), (
+            f"lengths differ: {len(ours)} vs {len(ref.token_ids)}"
+        )
         return False
     top2 = ref.logits[first_diff].topk(2)
     gap = (top2.values[0] - top2.values[1]).item()

@@ -43,7 +43,10 @@ def test_paged_equals_dense(block_size: int, with_trees: bool) -> None:
     rng = random.Random(block_size * 2 + with_trees)
     backend = TorchAttentionBackend(block_size)
     num_blocks = 64
-    cache = (torch.randn(num_blocks, block_size, KVH, D), torch.randn(num_blocks, block_size, KVH, D))
+    cache = (
+        torch.randn(num_blocks, block_size, KVH, D),
+        torch.randn(num_blocks, block_size, KVH, D),
+    )
     free = list(range(num_blocks))
     rng.shuffle(free)  # block tables are scattered, not contiguous
 

@@ -126,15 +126,18 @@ def test_load_bias_wrong_shape_raises() -> None:
         layer.load_bias(0, torch.zeros(5))
 
 
-def test_selection_rejects_inexact_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A kernel that computes in bfloat16 is fast but inexact: it must never be chosen."""
+def test_selection_rejects_inexact_and_failing_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that computes in bfloat16 is fast but inexact, one that raises is unusable: neither
+    may be chosen, even over a slow exact kernel."""
     from engine.layers import linear as mod
 
     def build_bf16(layer: Linear, shared: dict) -> mod.KernelFn:
         w = layer.weight_view().bfloat16()
+        return lambda x: (x.bfloat16() @ w.t()).float()
 
+    def build_raising(layer: Linear, shared: dict) -> mod.KernelFn:
         def run(x: torch.Tensor) -> torch.Tensor:
-            return (x.bfloat16() @ w.t()).float()
+            raise RuntimeError("unsupported")
 
         return run
 
@@ -148,16 +151,16 @@ def test_selection_rejects_inexact_kernel(monkeypatch: pytest.MonkeyPatch) -> No
 
         return run
 
+    layer, w, _ = make(256, 128, False)
     fake = {
-        "cheat": mod.KernelSpec("cheat", "bf16", lambda _: True, build_bf16),
-        "slow": mod.KernelSpec("slow", "exact but slow", lambda _: True, build_slow),
+        name: mod.KernelSpec(name, name, lambda _: True, build)
+        for name, build in [("cheat", build_bf16), ("raises", build_raising), ("slow", build_slow)]
     }
     monkeypatch.setattr(mod, "KERNELS", fake)
-    layer, w, _ = make(256, 128, False)
     table = select_kernels([layer], m_values=(1, 8), target_s=2e-4)
     assert table.chosen[(256, 128)] == {1: "slow", 8: "slow"}
-    assert all(not t.exact for t in table.timings if t.kernel == "cheat")
-    assert all(t.exact for t in table.timings if t.kernel == "slow")
+    exact = {(t.kernel, t.m): t.exact for t in table.timings}
+    assert exact == {(n, m): n == "slow" for n in fake for m in (1, 8)}
     x = torch.randn(8, 256)
     check(layer(x), oracle(x, w, None))
     assert "inexact" in table.format()
@@ -180,9 +183,50 @@ def test_selection_shares_shapes_and_reports() -> None:
 
 def test_non_fp32_cpu_uses_torch() -> None:
     layer = Linear(16, 8, dtype=torch.float64, device="cpu")
-    assert available(layer) == ["torch", "onednn"] or "openblas" not in available(layer)
+    assert available(layer) == ["torch"] and layer.kernel_names == {1: "torch"}
     w = torch.randn(8, 16, dtype=torch.float64)
     layer.load_rows(0, w)
     x = torch.randn(3, 16, dtype=torch.float64)
     torch.testing.assert_close(layer(x), x @ w.t())
-    assert layer.kernel_names == {1: "torch"}
+    table = select_kernels([layer], m_values=(1, 4), target_s=2e-4)
+    assert table.chosen[(16, 8)] == {1: "torch", 4: "torch"}
+    torch.testing.assert_close(layer(x), x @ w.t())
+
+
+def test_defaults_and_layout() -> None:
+    layer = Linear(24, 40, dtype=torch.float32, device="cpu")
+    assert layer.kernel_names == {1: "openblas", 2: "onednn"}
+    assert layer.storage.shape == (24, 40) and layer.storage.is_contiguous()  # W^T [in, out]
+    assert layer.weight_view().shape == (40, 24)
+
+
+def test_openblas_runs_single_threaded() -> None:
+    from engine.layers import linear as mod
+
+    layer = Linear(24, 40, dtype=torch.float32, device="cpu")
+    lib = mod._openblas_lib()
+    assert lib is not None
+    get = getattr(lib, "scipy_openblas_get_num_threads64_", None) or lib.openblas_get_num_threads
+    assert get() == 1
+    select_kernels([layer], m_values=(1,), target_s=1e-4, openblas_threads=2)
+    assert get() == 2
+    mod.set_openblas_threads(1)
+
+
+def test_mlas_one_session_for_all_shapes() -> None:
+    shared: dict = {}
+    a, b = make(64, 96, False)[0], make(96, 40, True)[0]
+    KERNELS["mlas"].build(a, shared)
+    KERNELS["mlas"].build(b, shared)
+    assert [key for key in shared if "mlas" in str(key)] == ["mlas"]
+
+
+def test_non_cpu_layout_is_plain() -> None:
+    """Non-CPU devices (CUDA in production; 'meta' here) store W [out, in] and use F.linear."""
+    layer = Linear(8, 6, bias=True, dtype=torch.float32, device="meta")
+    assert layer.storage.shape == (6, 8) and layer.kernel_names == {1: "torch"}
+    layer.load_rows(0, torch.randn(6, 8))
+    layer.load_bias(0, torch.randn(6))
+    assert layer(torch.empty(3, 8, device="meta")).shape == (3, 6)
+    assert layer.embedding_rows(torch.tensor([1, 2], device="meta")).shape == (2, 8)
+    assert select_kernels([layer]).chosen == {}

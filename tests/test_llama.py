@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from engine import LLM
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
 

@@ -30,8 +30,10 @@ class FlashAttentionBackend(AttentionBackend):
     def __init__(self, block_size: int | None = None) -> None:
         self.block_size = block_size or 256
         if self.block_size % 256:
-            raise ValueError(f"flash-attn's paged kernel needs a block size multiple of 256, "
-                             f"got {self.block_size}")
+            raise ValueError(
+                f"flash-attn's paged kernel needs a block size multiple of 256, "
+                f"got {self.block_size}"
+            )
         self._fallback = TorchAttentionBackend(self.block_size)
 
     def prepare(self, metadata: AttentionMetadata) -> None:

@@ -29,7 +29,7 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, metadata: AttentionMetadata) -> None:
         device = metadata.block_tables.device
         query_lens, seq_lens = metadata.query_lens, metadata.seq_lens
-        num_seqs, bs = metadata.num_seqs, self.block_size
+        bs = self.block_size
         max_q, max_k = max(query_lens), max(seq_lens)
 
         key_pos = torch.arange(max_k, device=device)  # [K]
@@ -71,7 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         self.store(k, v, kv_cache, metadata.slot_mapping)
         p: _Prepared = metadata.backend_data
-        num_seqs, (n, num_heads, head_dim) = metadata.num_seqs, q.shape
+        num_seqs, (_, num_heads, head_dim) = metadata.num_seqs, q.shape
         if p.query_rows is not None:
             padded = q.new_zeros(num_seqs * p.max_query_len, num_heads, head_dim)
             q = padded.index_copy_(0, p.query_rows, q)

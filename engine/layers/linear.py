@@ -1,13 +1,14 @@
 """Linear layer whose storage layout and matrix kernel are private and chosen by measurement.
 
-On CPU the weight is stored transposed, ``W^T`` as ``[in, out]`` contiguous: OpenBLAS sgemv/sgemm and
-onnxruntime's MLAS MatMul both read that layout fastest, oneDNN and MKL take it as a transposed view.
+On CPU the weight is stored transposed, ``W^T`` as ``[in, out]`` contiguous: OpenBLAS and
+onnxruntime's MLAS read that layout fastest (OpenBLAS M=1 on the lm_head: 4.6 ms vs 8.5 ms on
+``[out, in]``); oneDNN and MKL read it as a transposed view, about as fast as ``[out, in]``.
 On CUDA the weight is stored ``[out, in]`` and ``forward`` is plain ``F.linear``.
 
-Kernels are pure functions ``x [M, in] -> y [M, out]`` bound to one layer's tensors. ``select_kernels``
-times every candidate per distinct layer shape and per M bucket, rejects any kernel whose result is not
-fp32-exact against a float64 reference, and installs the fastest per bucket in each layer. ``forward``
-then costs one tuple lookup plus the kernel.
+Kernels are functions ``x [M, in] -> y [M, out]`` bound to one layer's tensors. ``select_kernels``
+times every candidate per distinct layer shape and per M bucket, rejects any kernel whose result is
+not fp32-exact against a float64 reference, and installs the fastest per bucket in each layer.
+``forward`` then costs one tuple lookup plus the kernel.
 
 Inference only: inputs must not require grad. A layer is not safe for concurrent ``forward`` calls
 from several threads (the MLAS kernel reuses one onnxruntime binding per layer). The placement and
@@ -35,11 +36,11 @@ DEFAULT_M_VALUES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Linear(torch.nn.Module):
-    """y = x @ W^T + b. W is [out_features, in_features] logically (HF layout); the storage layout and
-    the kernel are private.
+    """y = x @ W^T + b. W is [out_features, in_features] logically (HF layout); the storage
+    layout and the kernel are private.
 
-    Until ``select_kernels`` runs, CPU fp32 layers use OpenBLAS for M <= 2 and oneDNN above (the
-    usual winners measured on a 2-core EPYC); other dtypes and devices use ``F.linear``.
+    Until ``select_kernels`` runs, CPU fp32 layers use OpenBLAS (1 thread) for M = 1 and oneDNN
+    above, the usual winners on a 2-core EPYC; other dtypes and devices use ``F.linear``.
     """
 
     def __init__(
@@ -64,7 +65,7 @@ class Linear(torch.nn.Module):
             torch.zeros(out_features, dtype=dtype, device=self.device) if bias else None
         )
         self.kernel_names: dict[int, str] = {}  # M bucket -> kernel name, for reports
-        self._by_m: tuple[KernelFn, ...] = ()  # index M -> kernel, for M < len
+        self._by_m: tuple[KernelFn, ...] = ()  # index M -> kernel, for M < len(_by_m)
         self._large: KernelFn = _build_torch(self, {})  # for M >= len(_by_m)
         if self.transposed and dtype == torch.float32:
             shared: dict[Any, Any] = {}
@@ -84,7 +85,8 @@ class Linear(torch.nn.Module):
 
     def load_rows(self, row_offset: int, weight: torch.Tensor) -> None:
         """Copy ``weight`` [rows, in] (HF layout, any float dtype/device) into logical rows
-        [row_offset, row_offset + rows) of W, converting dtype in the same pass (no full-size temporary).
+        [row_offset, row_offset + rows) of W, converting dtype in the same pass (no full-size
+        temporary).
 
         Raises ValueError naming the expected and actual shapes if it does not fit.
         """
@@ -132,10 +134,9 @@ class Linear(torch.nn.Module):
         M = 0 always goes to ``F.linear``.
         """
         buckets = sorted(plan)
-        table: list[KernelFn] = [self._large if not buckets else _build_torch(self, {})]
-        for m in range(1, buckets[-1] + 1):
-            table.append(plan[next(b for b in buckets if b >= m)][1])
-        self._by_m = tuple(table)
+        by_m = [_build_torch(self, {})]  # M = 0
+        by_m += [plan[next(b for b in buckets if b >= m)][1] for m in range(1, buckets[-1] + 1)]
+        self._by_m = tuple(by_m)
         self._large = plan[buckets[-1]][1]
         self.kernel_names = {b: plan[b][0] for b in buckets}
 
@@ -199,9 +200,8 @@ def set_openblas_threads(n: int) -> bool:
 
 
 def _build_openblas(layer: Linear, shared: dict[Any, Any]) -> KernelFn:
-    if "openblas_threads" not in shared:
-        shared["openblas_threads"] = torch.get_num_threads()
-        set_openblas_threads(shared["openblas_threads"])
+    if "openblas_ok" not in shared:  # process-wide setting, applied once per build batch
+        shared["openblas_ok"] = set_openblas_threads(shared.setdefault("openblas_threads", 1))
     wt = layer.storage.numpy()  # W^T [in, out], zero-copy view of the torch storage
     n, b, matmul = layer.out_features, layer.bias, np.matmul
 
@@ -248,10 +248,12 @@ def _build_mlas(layer: Linear, shared: dict[Any, Any]) -> KernelFn:
 
     if "mlas" not in shared:  # one session for all layers; weights are bound per layer, not copied
         opts = ort.SessionOptions()
-        opts.intra_op_num_threads = torch.get_num_threads()
+        opts.intra_op_num_threads = shared.get("mlas_threads", torch.get_num_threads())
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        # Idle workers sleep at once: spinning ones starve torch's OpenMP threads on small hosts.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         shared["mlas"] = ort.InferenceSession(_onnx_matmul_model(), opts, ["CPUExecutionProvider"])
     sess = shared["mlas"]
     k, n, w, b = layer.in_features, layer.out_features, layer.storage, layer.bias
@@ -282,7 +284,7 @@ def _has_onnxruntime(layer: Linear) -> bool:
 
 
 # CPU fp32 plan before selection, (max M, kernel): the usual winners measured on a 2-core EPYC.
-_CPU_DEFAULT = ((2, "openblas", _build_openblas), (3, "onednn", _build_onednn))
+_CPU_DEFAULT = ((1, "openblas", _build_openblas), (2, "onednn", _build_onednn))
 
 KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
     {
@@ -290,13 +292,19 @@ KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
         "onednn": KernelSpec(
             "onednn",
             "torch.ops.mkldnn._linear_pointwise",
-            lambda layer: layer.transposed and torch.backends.mkldnn.is_available(),
+            lambda ly: (
+                ly.transposed
+                and ly.dtype in (torch.float32, torch.bfloat16)
+                and torch.backends.mkldnn.is_available()
+            ),
             _build_onednn,
         ),
         "openblas": KernelSpec(
             "openblas", "numpy matmul (OpenBLAS) on W^T", _cpu_fp32, _build_openblas
         ),
-        "mlas": KernelSpec("mlas", "onnxruntime MatMul (MLAS) on W^T", _has_onnxruntime, _build_mlas),
+        "mlas": KernelSpec(
+            "mlas", "onnxruntime MatMul (MLAS) on W^T", _has_onnxruntime, _build_mlas
+        ),
     }
 )
 
@@ -310,10 +318,11 @@ class Timing:
     shape: tuple[int, int]  # (in, out)
     m: int
     kernel: str
-    ms: float  # best per-call time; inf if not timed
-    gbps: float  # weight bytes / time
-    rel_err: float  # relative Frobenius error vs float64
+    ms: float  # best per-call time (the warm-up call's if calls == 0)
+    gbps: float  # weight bytes / best time
+    rel_err: float  # relative Frobenius error vs float64; inf if the kernel raised
     exact: bool
+    calls: int = 0  # timed calls after the warm-up; 0 = pruned (or inexact)
 
 
 @dataclass
@@ -336,14 +345,13 @@ class KernelTable:
         for (shape, m), row in cells.items():
             out = []
             for n in names:
-                t = row.get(n)
+                c = row.get(n)
                 mark = "*" if self.chosen.get(shape, {}).get(m) == n else " "
-                if t is None or not t.exact:
-                    out.append(f"{'inexact' if t else '-':>16} ")
-                elif t.ms == float("inf"):
-                    out.append(f"{'pruned':>16}{mark}")
+                if c is None or not c.exact or not c.calls:
+                    text = "-" if c is None else "inexact" if not c.exact else "pruned"
+                    out.append(f"{text:>16}{mark}")
                 else:
-                    out.append(f"{t.ms:8.3f} ({t.gbps:5.1f})".rjust(16) + mark)
+                    out.append(f"{c.ms:8.3f} ({c.gbps:5.1f})".rjust(16) + mark)
             lines.append(f"{shape[0]:>5}->{shape[1]:<6} {m:>5} " + " ".join(out))
         return "\n".join(lines)
 
@@ -351,17 +359,9 @@ class KernelTable:
 def _rel_err(layer: Linear, x: torch.Tensor, y: torch.Tensor) -> float:
     """Relative Frobenius error of y against float64 on up to ~256 sampled output columns."""
     n = layer.out_features
-    cols = torch.unique(
-        torch.cat(
-            [
-                torch.arange(min(n, 64)),
-                torch.linspace(0, n - 1, 128).long(),
-                torch.arange(max(0, n - 64), n),
-            ]
-        )
-    )
-    w = layer.weight_view().index_select(0, cols).double()  # [cols, in]
-    ref = x.double() @ w.t()
+    ends = [torch.arange(min(n, 64)), torch.arange(max(0, n - 64), n)]  # tails, where bugs hide
+    cols = torch.unique(torch.cat([*ends, torch.linspace(0, n - 1, 128).long()]))
+    ref = x.double() @ layer.weight_view().index_select(0, cols).double().t()  # [M, cols]
     if layer.bias is not None:
         ref += layer.bias[cols].double()
     got = y[:, cols].double()
@@ -370,27 +370,75 @@ def _rel_err(layer: Linear, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def _time_cell(
+    layers: list[Linear],
+    fns: dict[str, list[KernelFn]],
+    x: torch.Tensor,
+    rounds: int,
+    target_s: float,
+    prune: float,
+) -> dict[str, Timing]:
+    """Warm up and check every kernel on x, then time the exact ones in interleaved rounds."""
+    k, n, m = layers[0].in_features, layers[0].out_features, x.shape[0]
+    tol = 16 * torch.finfo(x.dtype).eps * k**0.5
+    cells: dict[str, Timing] = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        try:
+            y = fn[0](x)
+        except Exception:  # a kernel that cannot run this case is never chosen for it
+            cells[name] = Timing((k, n), m, name, 0.0, 0.0, float("inf"), False)
+            continue
+        first = time.perf_counter() - t0
+        err = _rel_err(layers[0], x, y)
+        cells[name] = Timing((k, n), m, name, first * 1e3, 0.0, err, err <= tol)
+    for r in range(rounds):
+        exact = [c for c in cells.values() if c.exact]
+        fastest = min((c.ms for c in exact), default=0.0)
+        for c in exact:
+            if r and c.ms > prune * fastest:
+                continue  # cannot win (warm-up times are not compared: they include set-up)
+            calls = max(1, min(50, int(target_s * 1e3 / max(c.ms, 1e-3))))
+            fn = fns[c.kernel]
+            t0 = time.perf_counter()
+            for i in range(calls):
+                fn[i % len(fn)](x)  # next layer each call: weights come from memory
+            c.ms = min(c.ms, (time.perf_counter() - t0) / calls * 1e3)
+            c.calls += calls
+    for c in cells.values():
+        c.gbps = k * n * x.element_size() / c.ms / 1e6 if c.ms > 0 else 0.0
+    return cells
+
+
 def select_kernels(
     linears: Iterable[Linear],
     m_values: Sequence[int] = DEFAULT_M_VALUES,
     kernels: Sequence[str] | None = None,
+    *,
     rounds: int = 3,
     target_s: float = 0.002,
     prune: float = 1.25,
+    openblas_threads: int = 1,
 ) -> KernelTable:
     """Time each candidate kernel per distinct (in, out, dtype, bias) group and per M in
-    ``m_values``, and install the fastest exact one in every layer of the group.
+    ``m_values``; install the fastest exact one per M bucket in every layer of the group.
 
-    Call after the weights are loaded. Each timed call runs on the next layer of the group in turn,
-    so weights come from memory as they do in a real forward pass. A kernel is exact if its relative
-    Frobenius error against a float64 reference is <= 16 * eps(dtype) * sqrt(in_features); inexact
-    kernels are never chosen. ``rounds`` passes over the candidates, each of about ``target_s``
-    (at most 50 calls) per candidate, keep each one's best per-call time; after the first, those
-    slower than ``prune`` x the best are dropped. M above ``max(m_values)`` uses the choice for ``max(m_values)``.
+    Call after the weights are loaded. Timed calls rotate over the group's layers, so weights come
+    from memory as in a real forward pass. A kernel is exact if its relative Frobenius error against
+    a float64 reference (sampled columns) is <= 16 * eps(dtype) * sqrt(in_features); inexact
+    kernels are never chosen. Each of ``rounds`` interleaved passes gives every candidate about
+    ``target_s`` (1 to 50 calls); after the first pass a candidate slower than ``prune`` x the
+    best so far is dropped. M above ``max(m_values)`` uses that bucket's choice.
     Non-CPU layers keep ``F.linear`` and are not timed.
+
+    ``openblas_threads`` defaults to 1 on purpose: OpenBLAS workers spin-wait ~0.1 s after each
+    call and starve torch's OpenMP threads (a 2-core decode step with OpenMP torch ops between
+    2-thread OpenBLAS calls measured 25-40x slower); one thread runs OpenBLAS on the caller only.
+    onnxruntime gets ``torch.get_num_threads()`` threads that do not spin.
     """
     t_start = time.perf_counter()
     table = KernelTable(threads=torch.get_num_threads())
+    table.shared["openblas_threads"] = openblas_threads
     groups: dict[tuple[Any, ...], list[Linear]] = {}
     for layer in linears:
         if layer.transposed:
@@ -403,34 +451,15 @@ def select_kernels(
             if (kernels is None or s.name in kernels) and s.supports(layers[0])
         ]  # fmt: skip
         fns = {name: [KERNELS[name].build(ly, table.shared) for ly in layers] for name in names}
-        tol = 16 * torch.finfo(dtype).eps * k**0.5
         plan: dict[int, str] = {}
         for m in sorted(set(m_values)):
             x = torch.randn((m, k), generator=gen).to(dtype)
-            best: dict[str, float] = {}
-            cells: dict[str, Timing] = {}
-            for name in names:
-                t0 = time.perf_counter()
-                y = fns[name][0](x)  # warm-up + exactness check
-                first = time.perf_counter() - t0
-                err = _rel_err(layers[0], x, y)
-                cells[name] = Timing((k, n), m, name, float("inf"), 0.0, err, err <= tol)
-                if err <= tol:
-                    best[name] = first
-            for r in range(rounds):
-                fastest = min(best.values(), default=0.0)
-                for name in [nm for nm, t in best.items() if r == 0 or t <= prune * fastest]:
-                    calls = max(1, min(50, int(target_s / max(best[name], 1e-6))))
-                    t0 = time.perf_counter()
-                    for i in range(calls):
-                        fns[name][i % len(layers)](x)
-                    best[name] = min(best[name], (time.perf_counter() - t0) / calls)
-                    cells[name].ms = best[name] * 1e3
-                    cells[name].gbps = k * n * x.element_size() / best[name] / 1e9
-            if not best:  # nothing exact: fall back to F.linear
-                fns.setdefault("torch", [_build_torch(ly, table.shared) for ly in layers])
-            plan[m] = min(best, key=lambda nm: cells[nm].ms, default="torch")
+            cells = _time_cell(layers, fns, x, rounds, target_s, prune)
             table.timings.extend(cells.values())
+            exact = [c for c in cells.values() if c.exact]
+            plan[m] = min(exact, key=lambda c: c.ms).kernel if exact else "torch"
+            if plan[m] not in fns:  # nothing exact: fall back to F.linear
+                fns["torch"] = [_build_torch(ly, table.shared) for ly in layers]
         table.chosen[(k, n)] = plan
         for i, layer in enumerate(layers):
             layer.install({m: (name, fns[name][i]) for m, name in plan.items()})

@@ -68,7 +68,7 @@ class LlamaConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -110,30 +110,36 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table, grown on demand."""
+class RotaryEmbedding:
+    """Rotate-half RoPE from a cos/sin table grown on demand; looked up once per step."""
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
         self.inv_freq = rope_inv_freq(config).to(device)
         self.dtype = dtype
-        self._cos_sin = torch.empty(0, config.head_dim, dtype=dtype, device=device)
+        self.head_dim = config.head_dim
+        self._cos_sin = torch.empty(0, 2, config.head_dim, dtype=dtype, device=device)
         self._grow(config.max_position_embeddings)
 
     def _grow(self, num_positions: int) -> None:
         positions = torch.arange(num_positions, device=self.inv_freq.device, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq[None, :]  # [P, D/2]
-        # [P, D]: cos in the first half, sin in the second.
-        self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(self.dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        # [P, 2, D]: (cos, cos) and (-sin, sin), so that rotate(x) = x * cos + swap(x) * sin.
+        self._cos_sin = torch.stack(
+            (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1
+        ).to(self.dtype)
 
-    def forward(self, positions: torch.Tensor, max_position: int, qk: torch.Tensor) -> torch.Tensor:
-        """Rotate `qk` [N, heads, D] (queries and keys stacked on the head axis) in place order;
-        `positions` [N]; `max_position` bounds positions (avoids a device sync)."""
+    def lookup(self, positions: torch.Tensor, max_position: int) -> torch.Tensor:
+        """[N] positions (all <= max_position) -> [2, N, 1, D] cos / signed sin."""
         if max_position >= self._cos_sin.shape[0]:
             self._grow(max(2 * self._cos_sin.shape[0], max_position + 1))
-        cos, sin = self._cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
-        x1, x2 = qk.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return self._cos_sin[positions].transpose(0, 1).unsqueeze(2)
+
+    def rotate(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, D] -> x rotated by RoPE, as transformers' `apply_rotary_pos_emb`."""
+        n, h, d = x.shape
+        swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)  # (x2, x1)
+        return x * cos_sin[0] + swapped * cos_sin[1]
 
 
 class RMSNorm(nn.Module):
@@ -173,14 +179,14 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [N, hidden]
-        positions: torch.Tensor,  # [N]
+        rope: torch.Tensor,  # [2, N, 1, D] from RotaryEmbedding.lookup
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [N, hidden]
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [N, q_size + 2 * kv_size]
         qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
-        qk = self.rotary(positions, attn_metadata.max_position, qk)  # [N, H + kvH, D]
+        qk = self.rotary.rotate(qk, rope)  # [N, H + kvH, D]
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata)  # [N, H, D]
@@ -219,11 +225,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, attn_metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -267,8 +273,9 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [N, hidden]: final-norm hidden states
         x = self.embed(input_ids)
+        rope = self.rotary.lookup(positions, attn_metadata.max_position)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv_cache, attn_metadata)
+            x = layer(x, rope, kv_cache, attn_metadata)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

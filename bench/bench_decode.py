@@ -1,0 +1,156 @@
+"""Greedy decode speed of this engine vs transformers' `generate`, and the matmul floor.
+
+Same model, prompts and dtype for both, in one run. Decode tokens/s excludes the prefill:
+`B * (N - 1) / (t(N new tokens) - t(1 new token))`. The floor is the time of every linear layer
+of one decode step, run back to back with the same kernels the engine chose.
+
+    python -m bench.bench_decode [--model PATH] [--new-tokens 64] [--batch-sizes 1 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM
+from engine.paths import default_model_path
+from tests.reference import CHAT_PROMPTS
+
+RESULTS = Path(__file__).parent / "results" / "decode.json"
+
+
+def best_of(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def decode_rate(generate: Callable[[int], object], batch: int, new_tokens: int) -> float:
+    generate(2)  # warm-up
+    t_full = best_of(lambda: generate(new_tokens), 2)
+    t_prefill = best_of(lambda: generate(1), 3)
+    return batch * (new_tokens - 1) / (t_full - t_prefill)
+
+
+def matmul_floor(llm: LLM, batch: int, repeats: int = 20) -> float:
+    """Seconds for one decode step's linear layers alone, in model order, same kernels."""
+    linears = llm.runner.model.linears()
+    inputs = [torch.randn(batch, lin.in_features) for lin in linears]
+
+    def step() -> None:
+        for lin, x in zip(linears, inputs, strict=True):
+            lin(x)
+
+    with torch.inference_mode():
+        step()
+        return best_of(step, repeats)
+
+
+def engine_step(llm: LLM, prompts: list[list[int]], repeats: int = 20) -> float:
+    """Seconds for one decode forward pass (runner.execute) at len(prompts) sequences."""
+    from engine.model_runner import SequenceInput
+
+    kv, runner = llm.kv, llm.runner
+    for i, p in enumerate(prompts):
+        kv.allocate_slots(("bench", i), len(p) + 1)
+    try:
+        prefill = [SequenceInput(p, 0, kv.block_table(("bench", i))) for i, p in enumerate(prompts)]
+        runner.execute(prefill)
+        decode = [
+            SequenceInput([p[-1]], len(p), kv.block_table(("bench", i)))
+            for i, p in enumerate(prompts)
+        ]
+        runner.execute(decode)
+        return best_of(lambda: runner.execute(decode), repeats)
+    finally:
+        for i in range(len(prompts)):
+            kv.free(("bench", i))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=default_model_path())
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    args = parser.parse_args()
+
+    llm = LLM(args.model, dtype="float32")
+    tok = llm.tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32).eval()
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False
+        )
+        for p in CHAT_PROMPTS
+    ]
+
+    rows = []
+    for batch in args.batch_sizes:
+        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+
+        def ours(n: int, bp: list[list[int]] = batch_prompts) -> object:
+            return llm.generate(bp, n, ignore_eos=True)
+
+        tok.padding_side = "left"
+        enc = tok.pad({"input_ids": batch_prompts}, return_tensors="pt")
+
+        def theirs(n: int, enc: dict[str, torch.Tensor] = enc) -> object:
+            with torch.no_grad():
+                return hf.generate(
+                    **enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    pad_token_id=tok.pad_token_id or tok.eos_token_id,
+                )  # fmt: skip
+
+        ours_rate = decode_rate(ours, batch, args.new_tokens)
+        hf_rate = decode_rate(theirs, batch, args.new_tokens)
+        step = engine_step(llm, batch_prompts)
+        floor = matmul_floor(llm, batch)
+        rows.append(
+            {
+                "batch": batch,
+                "engine_tok_s": ours_rate,
+                "transformers_tok_s": hf_rate,
+                "speedup": ours_rate / hf_rate,
+                "engine_step_ms": step * 1e3,
+                "matmul_floor_ms": floor * 1e3,
+                "step_over_floor": step / floor,
+            }
+        )
+
+    base = next((r["engine_tok_s"] for r in rows if r["batch"] == 1), None)
+    print(f"model {args.model.name}, float32, {torch.get_num_threads()} threads, "
+          f"{args.new_tokens} new tokens")  # fmt: skip
+    header = (
+        f"{'batch':>5} {'engine tok/s':>13} {'HF tok/s':>9} {'speedup':>8} "
+        f"{'vs own b1':>9} {'step ms':>8} {'matmul ms':>9} {'step/floor':>10}"
+    )
+    print(header)
+    for r in rows:
+        scale = r["engine_tok_s"] / base if base else float("nan")
+        r["vs_engine_batch1"] = scale
+        print(
+            f"{r['batch']:>5} {r['engine_tok_s']:>13.1f} {r['transformers_tok_s']:>9.1f} "
+            f"{r['speedup']:>7.2f}x {scale:>8.2f}x {r['engine_step_ms']:>8.2f} "
+            f"{r['matmul_floor_ms']:>9.2f} {r['step_over_floor']:>10.3f}"
+        )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {"model": args.model.name, "machine": platform.processor(), "rows": rows}, indent=2
+        )
+    )
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

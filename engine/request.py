@@ -1,0 +1,161 @@
+"""Request state as the scheduler sees it: token ids, progress counters and a status.
+
+Vocabulary (vLLM v1): `num_computed_tokens` tokens have K/V in the cache; `num_tokens` are known
+(prompt + output); `num_tokens_with_spec` adds the draft tokens proposed for the next step. The
+scheduler's one rule is to make the first catch up with the last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+from typing import TypeVar, overload
+
+from engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class ConstantList(Sequence[T]):
+    """A read-only view of a list (no copy): indexing, slicing (returns a list), iteration, ==."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: list[T]) -> None:
+        self._items = items
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ConstantList):
+            other = other._items
+        return self._items == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ConstantList({self._items!r})"
+
+
+class FinishReason(StrEnum):
+    """Why a request finished. The values are the names of TGIS's `StopReason`, so the server
+    maps with `StopReason.Value(reason)`; it reports TOKEN_LIMIT instead of MAX_TOKENS itself
+    when it had lowered max_new_tokens to fit max_model_len."""
+
+    EOS_TOKEN = "EOS_TOKEN"
+    MAX_TOKENS = "MAX_TOKENS"
+    STOP_SEQUENCE = "STOP_SEQUENCE"
+    TIME_LIMIT = "TIME_LIMIT"
+    CANCELLED = "CANCELLED"
+    ERROR = "ERROR"
+
+
+class RequestStatus(IntEnum):
+    """Ordered so that every status after PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # blocks freed; waits at the front of the queue to recompute prompt + output
+    FINISHED_STOPPED = 3  # an EOS token (unless ignore_eos) or a stop token id
+    FINISHED_LENGTH = 4  # max_new_tokens, or the scheduler's max model length
+    FINISHED_STOP_SEQUENCE = 5  # set by the engine (detokenized text), never by the scheduler
+    FINISHED_TIME_LIMIT = 6  # the deadline passed, in the queue or in flight
+    FINISHED_ABORTED = 7  # cancelled by the client
+    FINISHED_IGNORED = 8  # never run: the prompt leaves no room for a token in max_model_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The reason reported to the client, or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.EOS_TOKEN,
+    RequestStatus.FINISHED_LENGTH: FinishReason.MAX_TOKENS,
+    RequestStatus.FINISHED_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
+    RequestStatus.FINISHED_TIME_LIMIT: FinishReason.TIME_LIMIT,
+    RequestStatus.FINISHED_ABORTED: FinishReason.CANCELLED,
+    RequestStatus.FINISHED_IGNORED: FinishReason.ERROR,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    `prompt_token_ids` must be non-empty (it is stored as a tuple). `arrival_time` and `deadline`
+    are on the same clock as the `now` passed to the scheduler (time.monotonic() in the engine);
+    `deadline` is arrival + time_limit, or None. `eos_token_ids` are the model's EOS ids, ignored
+    when `sampling_params.ignore_eos`; `sampling_params.stop_token_ids` always stop.
+    `spec_token_ids` are the draft tokens to verify next step (set via
+    `Scheduler.update_draft_token_ids`); the scheduler owns every other mutable field.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    deadline: float | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    _output_token_ids: list[int] = field(init=False, repr=False, default_factory=list)
+    _all_token_ids: list[int] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: empty prompt")
+        self._all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> ConstantList[int]:
+        return ConstantList(self._output_token_ids)
+
+    @property
+    def all_token_ids(self) -> ConstantList[int]:
+        """Prompt + output token ids (no drafts), as a read-only view."""
+        return ConstantList(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        self._output_token_ids.extend(ids)
+        self._all_token_ids.extend(ids)

@@ -1,0 +1,356 @@
+"""TGIS request parameter conversion and validation (reference: tgis-interface.md §6).
+
+Pure functions: no gRPC server, no engine, no tokenizer. The servicer uses them in TGIS's order:
+
+1. `request_parameters` (or `convert_parameters` + `validate_parameters`): §6.1 defaults, then
+   the parameter checks of §6.2, before any tokenization;
+2. prefix lookup and tokenization (the caller's; format their failures with
+   `prefix_lookup_error` / `tokenizer_error`);
+3. `validate_input` once per input: truncation, the length checks, TOKEN_LIMIT clamping and the
+   per-input random seed.
+
+`validate_batched_request` / `validate_single_request` chain 1 and 3 when token counts are known.
+Every failure raises `ValidationError` whose message is TGIS's verbatim; the servicer returns it as
+INVALID_ARGUMENT. The result, `DecodingParams`, holds no protobuf types.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from server.pb import generation_pb2 as pb
+
+DEFAULT_MAX_NEW_TOKENS = 20
+"""max_new_tokens when the request leaves it 0 (TGIS's router constant)."""
+MAX_STOP_SEQS = 6
+MAX_STOP_SEQ_BYTES = 240
+MAX_I32 = 2**31 - 1
+
+
+def _f32(x: float) -> float:
+    """`x` rounded to float32: TGIS compares its f32 parameters against f32 constants."""
+    return float(struct.unpack("<f", struct.pack("<f", x))[0])
+
+
+_MIN_TEMPERATURE = _f32(0.05)
+
+# Fixed messages, verbatim from TGIS's router (validation.rs); see also the builders below.
+TEMPERATURE_MSG = "temperature must be >= 0.05"
+TOP_P_MSG = "top_p must be > 0.0 and <= 1.0"
+TYPICAL_P_MSG = "typical_p must be <= 1.0"
+TOP_K_MSG = "top_k must be strictly positive"
+MIN_NEW_TOKENS_MSG = "min_new_tokens must be <= max_new_tokens"
+REPETITION_PENALTY_MSG = "repetition_penalty must be > 0.0"
+LENGTH_PENALTY_MSG = "length_penalty must be >= 1.0 and <= 10.0"
+STOP_SEQUENCES_MSG = (
+    f"can specify at most {MAX_STOP_SEQS} non-empty stop sequences, "
+    f"each not more than {MAX_STOP_SEQ_BYTES} UTF8 bytes"
+)
+TOKEN_DETAIL_MSG = "must request input and/or generated tokens to request extra token detail"
+MISSING_REQUEST_MSG = "missing request"
+
+
+class ValidationError(ValueError):
+    """An invalid request; `message` is the exact TGIS text for the INVALID_ARGUMENT status."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def max_new_tokens_error(server_max: int) -> ValidationError:
+    """``max_new_tokens must be <= {server_max}``."""
+    return ValidationError(f"max_new_tokens must be <= {server_max}")
+
+
+def input_length_error(input_tokens: int, prefix_length: int, max_len: int) -> ValidationError:
+    """Input (after truncation) plus prefix leaves no room to generate."""
+    return ValidationError(
+        f"input tokens ({input_tokens}) plus prefix length ({prefix_length}) must be < {max_len}"
+    )
+
+
+def input_min_length_error(
+    input_tokens: int, prefix_length: int, min_new_tokens: int, max_len: int
+) -> ValidationError:
+    """Input plus prefix plus min_new_tokens exceeds the sequence limit."""
+    return ValidationError(
+        f"input tokens ({input_tokens}) plus prefix length ({prefix_length}) "
+        f"plus min_new_tokens ({min_new_tokens}) must be <= {max_len}"
+    )
+
+
+def prefix_not_found_reason(prefix_id: str) -> str:
+    """The `reason` for an unknown prompt-prefix id, to pass to `prefix_lookup_error`."""
+    return f'prefix id "{prefix_id}" not found'
+
+
+def prefix_lookup_error(prefix_id: str, reason: str) -> ValidationError:
+    """A prompt-prefix (prefix_id) that could not be loaded; `reason` is the loader's message."""
+    return ValidationError(f"can't retrieve prompt prefix with id '{prefix_id}': {reason}")
+
+
+def tokenizer_error(detail: str) -> ValidationError:
+    """Tokenization of a generation input failed (Tokenize RPC errors are UNKNOWN instead)."""
+    return ValidationError(f"tokenizer error {detail}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server limits validation enforces (TGIS launcher MAX_SEQUENCE_LENGTH, MAX_NEW_TOKENS).
+
+    `max_sequence_length` bounds input (after truncation) + prompt prefix + generated tokens;
+    `max_new_tokens` bounds the requested max_new_tokens (the default 20 is not clamped to it).
+    """
+
+    max_sequence_length: int
+    max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.max_sequence_length < 2 or self.max_new_tokens < 1:
+            raise ValueError(f"invalid limits: {self}")
+
+
+class LengthPenalty(NamedTuple):
+    """After `start_index` generated tokens, EOS's score grows by `decay_factor` per token."""
+
+    start_index: int
+    decay_factor: float
+
+
+@dataclass(frozen=True)
+class DecodingParams:
+    """Decoding settings of one request, protobuf-free; the engine maps them to its own params.
+
+    Conventions (TGIS's): `greedy` is True exactly when `temperature` is 0.0; disabled warpers
+    hold their neutral value (top_k 0, top_p 1.0, typical_p 1.0); `seed` None means "pick one"
+    (`validate_input` does, per input, for sampling); `max_new_tokens` is already defaulted (20)
+    and, after `validate_input`, clamped to the sequence limit with `max_is_token_limit` set (the
+    stop reason is then TOKEN_LIMIT); `include_stop_sequence` None means the server default
+    (DEFAULT_INCLUDE_STOP_SEQS); `time_limit_millis` 0 means none, counted from request
+    arrival; `truncate_input_tokens` N > 0 keeps the last N input tokens.
+    """
+
+    greedy: bool = True
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    length_penalty: LengthPenalty | None = None
+    min_new_tokens: int = 0
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_is_token_limit: bool = False
+    stop_sequences: tuple[str, ...] = ()
+    include_stop_sequence: bool | None = None
+    time_limit_millis: int = 0
+    truncate_input_tokens: int = 0
+    # Response options
+    input_text: bool = False
+    generated_tokens: bool = False
+    input_tokens: bool = False
+    token_logprobs: bool = False
+    token_ranks: bool = False
+    top_n_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.greedy != (self.temperature == 0.0):
+            raise ValueError(
+                f"greedy={self.greedy} contradicts temperature={self.temperature} "
+                "(greedy iff temperature == 0.0)"
+            )
+
+
+@dataclass(frozen=True)
+class ValidatedInput:
+    """One input that passed validation.
+
+    `input_length` is its token count after truncation (special tokens included, prefix
+    excluded): the response's input_token_count. `params` are the request's parameters
+    specialised for this input (clamped max_new_tokens, seed, normalised truncation).
+    """
+
+    input_length: int
+    prefix_length: int
+    params: DecodingParams
+
+
+def convert_parameters(params: pb.Parameters | None) -> DecodingParams:
+    """§6.1: map request `params` (None if absent) to DecodingParams, without checking them.
+
+    GREEDY ignores `sampling` entirely. SAMPLE copies it, with 0 meaning disabled for top_p and
+    typical_p (and a non-positive typical_p, which passes validation, also disabled), then turns
+    temperature 0 into 1.0. repetition_penalty 0 means 1.0; max_new_tokens 0 means 20.
+    """
+    if params is None:
+        return DecodingParams()
+    out = DecodingParams(truncate_input_tokens=params.truncate_input_tokens)
+    if params.HasField("response"):
+        r = params.response
+        out = replace(
+            out,
+            input_text=r.input_text,
+            generated_tokens=r.generated_tokens,
+            input_tokens=r.input_tokens,
+            token_logprobs=r.token_logprobs,
+            token_ranks=r.token_ranks,
+            top_n_tokens=r.top_n_tokens,
+        )
+    if params.HasField("decoding"):
+        d = params.decoding
+        if d.repetition_penalty != 0.0:
+            out = replace(out, repetition_penalty=d.repetition_penalty)
+        if d.HasField("length_penalty"):
+            lp = LengthPenalty(d.length_penalty.start_index, d.length_penalty.decay_factor)
+            out = replace(out, length_penalty=lp)
+    if params.HasField("stopping"):
+        s = params.stopping
+        out = replace(
+            out,
+            max_new_tokens=s.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            min_new_tokens=s.min_new_tokens,
+            stop_sequences=tuple(s.stop_sequences),
+            include_stop_sequence=(
+                s.include_stop_sequence if s.HasField("include_stop_sequence") else None
+            ),
+            time_limit_millis=s.time_limit_millis,
+        )
+    if params.method == pb.SAMPLE:
+        sp = params.sampling  # all-default when absent
+        out = replace(
+            out,
+            greedy=False,
+            temperature=sp.temperature if sp.temperature != 0.0 else 1.0,
+            top_k=sp.top_k,
+            top_p=sp.top_p if sp.top_p != 0.0 else 1.0,
+            typical_p=sp.typical_p if sp.typical_p > 0.0 else 1.0,
+            seed=sp.seed if sp.HasField("seed") else None,
+        )
+    return out
+
+
+def validate_parameters(params: DecodingParams, limits: Limits) -> None:
+    """§6.2 parameter checks, in TGIS's order; raises ValidationError on the first failure.
+
+    Float comparisons are done as TGIS does them, in float32 (so 0.05 passes the temperature
+    check). A top_k above the int32 range is what TGIS reports as not strictly positive.
+    """
+    p = params
+    if p.temperature != 0.0 and p.temperature < _MIN_TEMPERATURE:
+        raise ValidationError(TEMPERATURE_MSG)
+    if p.top_p <= 0.0 or p.top_p > 1.0:
+        raise ValidationError(TOP_P_MSG)
+    if p.typical_p > 1.0:
+        raise ValidationError(TYPICAL_P_MSG)
+    if p.top_k < 0 or p.top_k > MAX_I32:
+        raise ValidationError(TOP_K_MSG)
+    if p.max_new_tokens > limits.max_new_tokens:
+        raise max_new_tokens_error(limits.max_new_tokens)
+    if p.min_new_tokens > p.max_new_tokens:
+        raise ValidationError(MIN_NEW_TOKENS_MSG)
+    if p.repetition_penalty <= 0.0:
+        raise ValidationError(REPETITION_PENALTY_MSG)
+    if p.length_penalty is not None and not 1.0 <= p.length_penalty.decay_factor <= 10.0:
+        raise ValidationError(LENGTH_PENALTY_MSG)
+    if len(p.stop_sequences) > MAX_STOP_SEQS:
+        raise ValidationError(STOP_SEQUENCES_MSG)
+    if (p.token_logprobs or p.token_ranks or p.top_n_tokens != 0) and not (
+        p.input_tokens or p.generated_tokens
+    ):
+        raise ValidationError(TOKEN_DETAIL_MSG)
+    if any(not s or len(s.encode("utf-8")) > MAX_STOP_SEQ_BYTES for s in p.stop_sequences):
+        raise ValidationError(STOP_SEQUENCES_MSG)
+
+
+def request_parameters(
+    request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest, limits: Limits
+) -> DecodingParams:
+    """Convert and check a generation request's `params` (steps 1 of the module docstring).
+
+    For a SingleGenerationRequest without `request`, raises ``missing request`` first.
+    """
+    if isinstance(request, pb.SingleGenerationRequest) and not request.HasField("request"):
+        raise ValidationError(MISSING_REQUEST_MSG)
+    params = convert_parameters(request.params if request.HasField("params") else None)
+    validate_parameters(params, limits)
+    return params
+
+
+_system_random = random.SystemRandom()
+
+
+def validate_input(
+    params: DecodingParams,
+    num_tokens: int,
+    limits: Limits,
+    prefix_length: int = 0,
+    rng: random.Random | None = None,
+) -> ValidatedInput:
+    """Length checks of one input, and its final parameters.
+
+    `params` must have passed `validate_parameters`. `num_tokens` is the input's full token count
+    (special tokens included) before `truncate_input_tokens` is applied; `prefix_length` is the
+    prompt prefix's virtual-token count. Raises ``input tokens (I) plus prefix length (P) must be
+    < S`` or ``... plus min_new_tokens (M) must be <= S``. Otherwise max_new_tokens is lowered to
+    what the sequence limit leaves (flagging `max_is_token_limit`), truncation is recorded only
+    where it shortens the input, and a sampling request without a seed gets a random 32-bit one
+    from `rng` (default: the OS's entropy), a fresh one per call.
+    """
+    truncate = params.truncate_input_tokens
+    if 0 < truncate < num_tokens:
+        input_length = truncate
+    else:
+        input_length, truncate = num_tokens, 0
+    effective = input_length + prefix_length
+    max_len = limits.max_sequence_length
+    if effective >= max_len:
+        raise input_length_error(input_length, prefix_length, max_len)
+    if effective + params.min_new_tokens > max_len:
+        raise input_min_length_error(input_length, prefix_length, params.min_new_tokens, max_len)
+    out = replace(params, truncate_input_tokens=truncate)
+    if not out.greedy and out.seed is None:
+        out = replace(out, seed=(rng or _system_random).getrandbits(32))
+    if effective + out.max_new_tokens > max_len:
+        out = replace(out, max_new_tokens=max_len - effective, max_is_token_limit=True)
+    return ValidatedInput(input_length, prefix_length, out)
+
+
+def validate_batched_request(
+    request: pb.BatchedGenerationRequest,
+    limits: Limits,
+    input_token_counts: Sequence[int],
+    prefix_length: int = 0,
+    rng: random.Random | None = None,
+) -> list[ValidatedInput]:
+    """Validate a whole Generate call whose inputs are already tokenized.
+
+    `input_token_counts[i]` is the full token count of ``request.requests[i]`` (see
+    `validate_input`). An empty batch is answered by TGIS with an empty response and no
+    validation at all: this returns [] without looking at `params`. The first invalid input fails
+    the whole call.
+    """
+    if len(input_token_counts) != len(request.requests):
+        raise ValueError(
+            f"{len(request.requests)} inputs but {len(input_token_counts)} token counts"
+        )
+    if not request.requests:
+        return []
+    params = request_parameters(request, limits)
+    return [validate_input(params, n, limits, prefix_length, rng) for n in input_token_counts]
+
+
+def validate_single_request(
+    request: pb.SingleGenerationRequest,
+    limits: Limits,
+    input_token_count: int,
+    prefix_length: int = 0,
+    rng: random.Random | None = None,
+) -> ValidatedInput:
+    """Validate a GenerateStream call whose input is already tokenized (see `validate_input`)."""
+    params = request_parameters(request, limits)
+    return validate_input(params, input_token_count, limits, prefix_length, rng)
