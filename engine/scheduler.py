@@ -181,7 +181,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             # Keep one token for each running request not yet visited.
-            reserve = 0
+            reserve = len(self.running) - len(num_scheduled) - 1
             num_new = self._num_new_tokens(req, budget - reserve)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
                 victim = max(reversed(self.running), key=lambda r: r.arrival_time)
@@ -191,7 +191,7 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
-            else:
+            else:  # allocated without preempting `req` itself
                 num_scheduled[req.request_id] = num_new
                 budget -= num_new
                 num_spec = req.num_computed_tokens + num_new - req.num_tokens

@@ -81,3 +81,13 @@ def test_text_prompts_and_seeded_sampling(tiny: LLM) -> None:
     assert a[1].text == tiny.tokenizer.decode(b[0].token_ids, skip_special_tokens=True)
     c = tiny.generate(["Tell me a story"], 16, temperature=0.8, top_p=0.9, seed=8)
     assert c[0].token_ids != b[0].token_ids
+
+
+def test_smollm2_block_size_independent(smollm2: LLM, smollm2_path: Path) -> None:
+    prompts = [list(p) for p in chat_prompt_ids(smollm2_path)[:3]]
+    base = smollm2.generate(prompts, 16)
+    for block_size in (1, 32):
+        llm = LLM(smollm2_path, dtype="float32", block_size=block_size, max_num_tokens=2048)
+        outs = llm.generate(prompts, 16)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+        llm.kv.check_integrity()

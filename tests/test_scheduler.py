@@ -301,8 +301,8 @@ def test_eos_suppressed_before_min_new_tokens() -> None:
     statuses = []
     for _ in range(3):
         out = sched.schedule(0.0)
-        res = sched.update_from_output(out, {"0": [EOS], "1": [EOS]}, 0.0)
-        statuses.append(res[0].status)
+        results = sched.update_from_output(out, {"0": [EOS], "1": [EOS]}, 0.0)
+        statuses.append(results[0].status)
     assert statuses == [RequestStatus.RUNNING] * 2 + [RequestStatus.FINISHED_STOPPED]
     assert list(a.output_token_ids) == [EOS] * 3
     assert b.status == RequestStatus.RUNNING  # ignore_eos

@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache
 from engine.layers.linear import Linear
+from engine.models.loader import WeightTarget
 
 
 @dataclass(frozen=True)
@@ -287,35 +288,39 @@ class LlamaModel(nn.Module):
 
     # -- weight loading -------------------------------------------------------------------
 
-    def weight_targets(self) -> dict[str, tuple[Any, int]]:
-        """Every checkpoint tensor name (HF Llama naming) -> (destination, row offset).
-
-        A destination is a `Linear` (filled with `load_rows`) or a parameter tensor (copied whole).
-        """
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        """Every checkpoint tensor name (HF Llama naming) -> where it is loaded."""
         cfg = self.config
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        inter = cfg.intermediate_size
-        targets: dict[str, tuple[Any, int]] = {
-            "model.norm.weight": (self.norm.weight, 0),
+
+        def rows(dest: Linear, offset: int, num_rows: int) -> WeightTarget:
+            return WeightTarget(dest, offset, (num_rows, dest.in_features))
+
+        def whole(dest: torch.Tensor) -> WeightTarget:
+            return WeightTarget(dest, 0, tuple(dest.shape))
+
+        embed = self.embed_tokens
+        targets = {
+            "model.norm.weight": whole(self.norm.weight),
             "model.embed_tokens.weight": (
-                self.lm_head if self.embed_tokens is None else self.embed_tokens,
-                0,
+                rows(self.lm_head, 0, cfg.vocab_size) if embed is None else whole(embed)
             ),
         }
-        if self.embed_tokens is not None:
-            targets["lm_head.weight"] = (self.lm_head, 0)
+        if embed is not None:
+            targets["lm_head.weight"] = rows(self.lm_head, 0, cfg.vocab_size)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
             targets |= {
-                p + "input_layernorm.weight": (layer.input_layernorm.weight, 0),
-                p + "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, 0),
-                p + "self_attn.q_proj.weight": (attn.qkv_proj, 0),
-                p + "self_attn.k_proj.weight": (attn.qkv_proj, q),
-                p + "self_attn.v_proj.weight": (attn.qkv_proj, q + kv),
-                p + "self_attn.o_proj.weight": (attn.o_proj, 0),
-                p + "mlp.gate_proj.weight": (mlp.gate_up_proj, 0),
-                p + "mlp.up_proj.weight": (mlp.gate_up_proj, inter),
-                p + "mlp.down_proj.weight": (mlp.down_proj, 0),
+                p + "input_layernorm.weight": whole(layer.input_layernorm.weight),
+                p + "post_attention_layernorm.weight": whole(layer.post_attention_layernorm.weight),
+                p + "self_attn.q_proj.weight": rows(attn.qkv_proj, 0, q),
+                p + "self_attn.k_proj.weight": rows(attn.qkv_proj, q, kv),
+                p + "self_attn.v_proj.weight": rows(attn.qkv_proj, q + kv, kv),
+                p + "self_attn.o_proj.weight": rows(attn.o_proj, 0, hidden),
+                p + "mlp.gate_proj.weight": rows(mlp.gate_up_proj, 0, inter),
+                p + "mlp.up_proj.weight": rows(mlp.gate_up_proj, inter, inter),
+                p + "mlp.down_proj.weight": rows(mlp.down_proj, 0, hidden),
             }
         return targets

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from safetensors import safe_open
@@ -24,8 +24,16 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or does not match the model."""
 
 
+class WeightTarget(NamedTuple):
+    """Where one checkpoint tensor goes: a Linear's rows from `row_offset`, or a whole tensor."""
+
+    dest: Linear | torch.Tensor
+    row_offset: int
+    shape: tuple[int, ...]  # the checkpoint tensor's expected shape
+
+
 class Loadable(Protocol):
-    def weight_targets(self) -> dict[str, tuple[Any, int]]: ...
+    def weight_targets(self) -> dict[str, WeightTarget]: ...
 
 
 def checkpoint_files(folder: Path) -> tuple[list[Path], dict[str, Path]]:
@@ -56,14 +64,16 @@ def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one at a time, on the CPU."""
     if file.suffix == ".safetensors":
         try:
-            with safe_open(str(file), framework="pt") as f:
-                names = list(f.keys())
-                for name in names:
-                    yield name, f.get_tensor(name)
-        except (OSError, RuntimeError, ValueError) as e:
-            if isinstance(e, CheckpointError):
-                raise
+            f = safe_open(str(file), framework="pt")
+            names = list(f.keys())
+        except Exception as e:  # SafetensorError derives from Exception only
             raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
+        for name in names:
+            try:
+                tensor = f.get_tensor(name)
+            except Exception as e:
+                raise CheckpointError(f"{file}: tensor '{name}' is unreadable ({e})") from e
+            yield name, tensor
         return
     try:
         state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
@@ -92,19 +102,16 @@ def load_weights(model: Loadable, folder: str | Path) -> None:
                 if name == "lm_head.weight" and "lm_head.weight" not in targets:
                     continue  # a tied checkpoint that also stores the head
                 raise CheckpointError(f"{file}: unexpected tensor '{name}'")
-            dest, row_offset = targets[name]
-            try:
-                if isinstance(dest, Linear):
-                    dest.load_rows(row_offset, tensor)
-                else:
-                    if tuple(tensor.shape) != tuple(dest.shape):
-                        raise ValueError(
-                            f"expected shape {tuple(dest.shape)}, found {tuple(tensor.shape)}"
-                        )
-                    with torch.no_grad():
-                        dest.copy_(tensor)
-            except ValueError as e:
-                raise CheckpointError(f"{file}: tensor '{name}': {e}") from e
+            dest, row_offset, shape = targets[name]
+            if tuple(tensor.shape) != shape:
+                raise CheckpointError(
+                    f"{file}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {shape}"
+                )
+            if isinstance(dest, Linear):
+                dest.load_rows(row_offset, tensor)
+            else:
+                with torch.no_grad():
+                    dest.copy_(tensor)
             loaded.add(name)
     missing = sorted(targets.keys() - loaded)
     if missing:
