@@ -24,12 +24,16 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: install
 install: $(VENV)/.installed ## Create .venv and install specserve with its dev tools
 
+.PHONY: gen-proto
+gen-proto: install ## Generate server/pb from proto/generation.proto
+	$(PY) -m server.proto_gen
+
 .PHONY: models
 models: install ## Prepare SmolLM2-135M-Instruct and the tiny test checkpoints in $SPECSERVE_HOME
 	$(PY) -m tools.prepare_models
 
 .PHONY: lint
-lint: install ## ruff + mypy
+lint: gen-proto ## ruff + mypy
 	$(VENV)/bin/ruff check engine server tests bench tools
 	$(VENV)/bin/ruff format --check engine server tests bench tools
 	$(VENV)/bin/mypy engine server tools
@@ -40,7 +44,7 @@ format: install ## Apply ruff's formatting and fixes
 	$(VENV)/bin/ruff check --fix engine server tests bench tools
 
 .PHONY: test
-test: models lint ## Install, prepare models, lint, run all tests
+test: models lint gen-proto ## Install, prepare models, lint, run all tests
 	$(PY) -m pytest -q tests
 
 .PHONY: bench
@@ -54,3 +58,4 @@ bench-kernels: install ## Time every linear-layer kernel for the default model's
 .PHONY: clean
 clean: ## Remove the virtual environment and caches (not $SPECSERVE_HOME)
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -f server/pb/*_pb2*.py server/pb/*_pb2*.pyi

@@ -111,7 +111,7 @@ class Limits:
     max_new_tokens: int
 
     def __post_init__(self) -> None:
-        if self.max_sequence_length < 2 or self.max_new_tokens < 1:
+        if self.max_sequence_length < 1 or self.max_new_tokens < 1:
             raise ValueError(f"invalid limits: {self}")
 
 

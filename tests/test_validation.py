@@ -345,7 +345,7 @@ def test_decoding_params_invariant() -> None:
 
 def test_limits() -> None:
     with pytest.raises(ValueError):
-        Limits(max_sequence_length=1, max_new_tokens=1)
+        Limits(max_sequence_length=0, max_new_tokens=1)
     with pytest.raises(ValueError):
         Limits(max_sequence_length=10, max_new_tokens=0)
 
