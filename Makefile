@@ -47,6 +47,10 @@ format: install ## Apply ruff's formatting and fixes
 test: models lint gen-proto ## Install, prepare models, lint, run all tests
 	$(PY) -m pytest -q tests
 
+.PHONY: run
+run: models gen-proto ## Serve the default model: gRPC on 8033, HTTP /health and /metrics on 3000
+	$(PY) -m server.main
+
 .PHONY: bench
 bench: models ## Decode tokens/s of this engine vs transformers (batch 1 and 16), and the matmul floor
 	$(PY) -m bench.bench_decode

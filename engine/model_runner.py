@@ -160,6 +160,6 @@ class ModelRunner:
             metadata,
         )
         if len(rows) != hidden.shape[0] or rows != list(range(len(rows))):
-            hidden = hidden[torch.tensor(rows, device=device)]
+            hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=device)]
         logits = self.model.compute_logits(hidden).float()
         return ModelOutput(logits=logits, hidden_states=hidden, num_rows=num_rows)

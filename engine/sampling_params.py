@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy when `temperature` is 0; otherwise seeded sampling with top-k / top-p filtering."""
+    """Greedy when `temperature` is 0; otherwise seeded sampling with top-k / top-p / typical-p
+    filtering. `repetition_penalty` (HF-style, over prompt + output) applies to both;
+    `length_penalty` (start_index, decay_factor) raises the EOS score after start_index generated
+    tokens. `logprobs` asks for each token's logprob and rank, plus `top_n_tokens` candidates."""
 
     max_new_tokens: int = 64
     min_new_tokens: int = 0
@@ -17,6 +20,12 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # stop on any of these (from min_new_tokens on)
+    typical_p: float = 1.0  # 1.0: no typical filtering
+    repetition_penalty: float = 1.0  # 1.0: none
+    length_penalty: tuple[int, float] | None = None  # (start_index, decay_factor)
+    logprobs: bool = False
+    prompt_logprobs: bool = False  # details of the prompt tokens too (see EngineOutput)
+    top_n_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -27,6 +36,12 @@ class SamplingParams:
             raise ValueError("top_k must be non-negative")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if not 0 < self.typical_p <= 1:
+            raise ValueError("typical_p must be in (0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be positive")
+        if self.top_n_tokens < 0:
+            raise ValueError("top_n_tokens must be non-negative")
 
     @property
     def greedy(self) -> bool:

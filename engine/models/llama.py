@@ -4,6 +4,9 @@ The model takes one flat batch of new tokens from many sequences (prompt chunks,
 draft-tree tokens) and explicit attention metadata; it never sees requests or sequences. Layers are
 laid out for a later tensor-parallel split: `qkv_proj` and `gate_up_proj` are column-parallel (fused
 outputs, split by heads / by rows), `o_proj` and `down_proj` are row-parallel.
+
+The forward passes call submodules' `forward` directly: `nn.Module.__call__` (hook dispatch) costs
+~2 us a call, and a SmolLM2 decode step makes ~270 of them (0.6 ms of a ~33 ms CPU step).
 """
 
 from __future__ import annotations
@@ -148,10 +151,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), False)
         self.eps = eps
+        self._eps = torch.tensor(eps, device=device)  # fp32, for addcmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            # x * rsqrt(mean(x^2) + eps) * w in 5 ATen ops (F.rms_norm is ~8 on CPU): the mean
+            # square is |x|^2 / size, one fused reduction plus one addcmul.
+            norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+            inv_rms = torch.addcmul(self._eps, norm, norm, value=1 / x.shape[-1]).rsqrt_()
+            return (x * inv_rms).mul_(self.weight)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -185,13 +193,13 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [N, hidden]
         n = x.shape[0]
-        qkv = self.qkv_proj(x)  # [N, q_size + 2 * kv_size]
+        qkv = self.qkv_proj.forward(x)  # [N, q_size + 2 * kv_size]
         qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
         qk = self.rotary.rotate(qk, rope)  # [N, H + kvH, D]
-        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata)  # [N, H, D]
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj.forward(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
@@ -203,8 +211,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate_size, hidden, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -230,8 +238,9 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm.forward(x)
+        x = x + self.self_attn.forward(h, rope, kv_cache, attn_metadata)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class LlamaModel(nn.Module):
@@ -276,8 +285,8 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)
         rope = self.rotary.lookup(positions, attn_metadata.max_position)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, attn_metadata)
-        return self.norm(x)
+            x = layer.forward(x, rope, kv_cache, attn_metadata)
+        return self.norm.forward(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, hidden] final-norm states -> [M, vocab] logits."""

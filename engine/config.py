@@ -1,0 +1,265 @@
+"""Server configuration: one frozen dataclass, read from TGIS's env vars and CLI flags.
+
+Every field has a default and a docstring; each is settable as env var `NAME` or flag `--name`
+(lower case, dashes), the flag winning (TGIS launcher semantics, tgis-interface.md §3.1).
+Boolean switches follow clap's "flag + env" rule: any env value other than n/no/f/false/off/0
+(or empty) enables them. Importing this module is cheap (no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from engine.paths import default_model_path, model_path
+
+_FALSE_WORDS = frozenset({"", "n", "no", "f", "false", "off", "0"})
+_DTYPES = ("float32", "float16", "bfloat16")
+_MODEL_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+_DEFAULT_MAX_SEQUENCE_LENGTH = 2048
+
+
+_IGNORED_LAUNCHER_FLAGS = (
+    "--num-shard",
+    "--deployment-framework",
+    "--master-addr",
+    "--master-port",
+    "--shard-uds-path",
+    "--max-waiting-tokens",
+    "--max-prefill-padding",
+    "--batch-safety-margin",
+    "--max-batch-weight",
+    "--max-prefill-weight",
+    "--cuda-process-memory-fraction",
+)
+"""TGIS launcher flags (§2.4, §3.1) that are accepted for compatibility and have no effect."""
+
+
+def _meta(
+    doc: str, env: tuple[str, ...] = (), switch: bool = False, flags: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    return {"doc": doc, "env": env, "switch": switch, "flags": flags}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The server's settings. `from_env_and_args` builds it; `__post_init__` validates it.
+
+    Values that depend on the model (`max_sequence_length` when unset) are resolved by
+    `resolved_max_sequence_length()`; the effective max_new_tokens is `effective_max_new_tokens`.
+    """
+
+    model_name: str = field(
+        default_factory=lambda: str(default_model_path()),
+        metadata=_meta(
+            "Model folder (absolute or relative path), or the name of a prepared model under "
+            "$SPECSERVE_HOME/models."
+        ),
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata=_meta(
+            "Weights/KV dtype: float32, float16 or bfloat16 (default float32 on CPU).",
+            env=("DTYPE_STR", "DTYPE"),
+            flags=("--dtype-str",),
+        ),
+    )
+    device: str = field(default="cpu", metadata=_meta("Torch device, e.g. cpu or cuda:0."))
+    max_sequence_length: int | None = field(
+        default=None,
+        metadata=_meta(
+            "Most tokens (input + generated) per request; default: the model config's "
+            "max_position_embeddings (or similar), else 2048."
+        ),
+    )
+    max_new_tokens: int = field(
+        default=1024,
+        metadata=_meta("Server max of a request's max_new_tokens (clamped to seq len - 1)."),
+    )
+    max_batch_size: int = field(default=12, metadata=_meta("Most requests in the running batch."))
+    max_batched_tokens: int = field(
+        default=2048,
+        metadata=_meta("Token budget of one engine step; longer prompts prefill in chunks."),
+    )
+    max_concurrent_requests: int = field(
+        default=512,
+        metadata=_meta("gRPC admission limit; a batch of n inputs takes n permits."),
+    )
+    kv_cache_blocks: int | None = field(
+        default=None,
+        metadata=_meta(
+            "Number of KV cache blocks; default: sized from kv_cache_memory_mb.",
+            env=("KV_CACHE_BLOCKS", "KV_CACHE_MANAGER_NUM_GPU_BLOCKS"),
+        ),
+    )
+    kv_cache_memory_mb: int = field(
+        default=512,
+        metadata=_meta("KV cache memory (MiB) when kv_cache_blocks is unset."),
+    )
+    grpc_port: int = field(
+        default=8033, metadata=_meta("gRPC port (bound on 0.0.0.0).", flags=("-g",))
+    )
+    port: int = field(
+        default=3000, metadata=_meta("HTTP port for /health and /metrics.", flags=("-p",))
+    )
+    output_special_tokens: bool = field(
+        default=False,
+        metadata=_meta(
+            "Keep special tokens in output text (a final EOS is still dropped).", switch=True
+        ),
+    )
+    default_include_stop_seqs: bool = field(
+        default=True,
+        metadata=_meta("include_stop_sequence when a request leaves it unset (true/false)."),
+    )
+    shutdown_grace_s: float = field(
+        default=5.0,
+        metadata=_meta(
+            "On SIGTERM, seconds in-flight requests get to finish before they are cancelled.",
+            env=("SHUTDOWN_GRACE_SECONDS",),
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.max_sequence_length is not None and self.max_sequence_length < 2:
+            raise ValueError(f"max_sequence_length must be >= 2, got {self.max_sequence_length}")
+        for name in ("max_new_tokens", "max_batch_size", "max_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(
+                f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
+            )
+        if self.max_batched_tokens < self.max_batch_size:
+            raise ValueError(
+                f"max_batched_tokens ({self.max_batched_tokens}) must be >= max_batch_size "
+                f"({self.max_batch_size})"
+            )
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 2:
+            raise ValueError(f"kv_cache_blocks must be >= 2, got {self.kv_cache_blocks}")
+        if self.kv_cache_memory_mb < 1:
+            raise ValueError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
+        for name in ("grpc_port", "port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+    @property
+    def model_path(self) -> Path:
+        """`model_name` as a folder: a path if it names one, else a prepared model's folder."""
+        path = Path(self.model_name).expanduser()
+        if path.is_dir() or "/" in self.model_name or self.model_name.startswith("."):
+            return path
+        return model_path(self.model_name)
+
+    def resolved_max_sequence_length(self) -> int:
+        """`max_sequence_length`, else the first length key of the model's config.json, else
+        2048 (TGIS's launcher order)."""
+        if self.max_sequence_length is not None:
+            return self.max_sequence_length
+        try:
+            cfg = json.loads((self.model_path / "config.json").read_text())
+        except (OSError, ValueError):
+            return _DEFAULT_MAX_SEQUENCE_LENGTH
+        for key in _MODEL_LENGTH_KEYS:
+            if isinstance(cfg.get(key), int):
+                return int(cfg[key])
+        return _DEFAULT_MAX_SEQUENCE_LENGTH
+
+    def effective_max_new_tokens(self, max_sequence_length: int) -> int:
+        """min(max_new_tokens, max_sequence_length - 1)."""
+        return min(self.max_new_tokens, max_sequence_length - 1)
+
+    @classmethod
+    def from_env_and_args(
+        cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+    ) -> ServerConfig:
+        """Build from `env` (default os.environ) overridden by the flags in `argv` (default
+        sys.argv[1:]). Raises ValueError for unparsable or invalid values, naming the field;
+        SystemExit for unknown flags or --help."""
+        env = os.environ if env is None else env
+        parser = build_arg_parser()
+        args = parser.parse_args(argv)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            env_names = f.metadata["env"] or (f.name.upper(),)
+            flag_value = getattr(args, f.name)
+            if flag_value is not None:
+                values[f.name] = _parse(f, flag_value, f"--{f.name.replace('_', '-')}")
+                continue
+            set_envs = [(n, env[n]) for n in env_names if n in env]
+            parsed = {n: _parse(f, v, n) for n, v in set_envs if v != "" or f.metadata["switch"]}
+            if len(set(parsed.values())) > 1:
+                raise ValueError(f"{f.name}: conflicting values {parsed}")
+            if parsed:
+                values[f.name] = next(iter(parsed.values()))
+        return cls(**values)
+
+    def describe(self) -> str:
+        """One `name=value` line per field, for the startup log."""
+        return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+
+
+def _parse(f: dataclasses.Field[Any], raw: str | bool, source: str) -> Any:
+    if isinstance(raw, bool):
+        return raw
+    kind = str(f.type)
+    try:
+        if f.metadata["switch"]:
+            return raw.strip().lower() not in _FALSE_WORDS
+        if kind.startswith("bool"):
+            word = raw.strip().lower()
+            if word in ("true", "1", "yes", "y", "on", "t"):
+                return True
+            if word in ("false", "0", "no", "n", "off", "f"):
+                return False
+            raise ValueError("expected true or false")
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+        return raw
+    except ValueError as e:
+        raise ValueError(f"{f.name}: invalid value {raw!r} from {source}: {e}") from None
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """The CLI: one flag per ServerConfig field, help text from the field's docstring."""
+    parser = argparse.ArgumentParser(
+        prog="specserve",
+        description="TGIS-compatible gRPC inference server. Every flag can also be set as an "
+        "env var of the same name in upper case.",
+    )
+    for f in fields(ServerConfig):
+        flag = f"--{f.name.replace('_', '-')}"
+        env_names = f.metadata["env"] or (f.name.upper(),)
+        help_text = f"{f.metadata['doc']} [env: {', '.join(env_names)}]".replace("%", "%%")
+        names = [flag, *f.metadata["flags"]]
+        if f.metadata["switch"]:
+            parser.add_argument(
+                *names, dest=f.name, action="store_const", const=True, default=None, help=help_text
+            )
+        else:
+            parser.add_argument(*names, dest=f.name, default=None, help=help_text)
+    for flag in _IGNORED_LAUNCHER_FLAGS:
+        parser.add_argument(flag, dest=f"ignored_{flag[2:]}", default=None, help=argparse.SUPPRESS)
+    return parser

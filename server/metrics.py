@@ -1,0 +1,159 @@
+"""Prometheus metrics with TGIS's `tgi_*` names (tgis-interface.md §5.2), on a private registry.
+
+Counters are exposed both as `name_total` (prometheus_client's convention) and as plain `name`
+(TGIS's exporter), like IBM TGIS main. The registry is per `ServerMetrics`, so several servers
+(or tests) in one process do not collide. Metric updates are thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric, UnknownMetricFamily
+from prometheus_client.registry import Collector
+
+_DURATION_BUCKETS = tuple(0.00015 * 1.5**k for k in range(35))
+
+
+def _linear_buckets(upper: int, count: int = 64) -> tuple[float, ...]:
+    step = max(1.0, upper / count)
+    return tuple(sorted({round(step * (i + 1), 3) for i in range(count)}))
+
+
+class _PlainCounterNames(Collector):
+    """Re-exports each counter's `_total` samples without the suffix (untyped, like TGIS)."""
+
+    def __init__(self, counters: list[Counter]) -> None:
+        self._counters = counters
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing: the plain names would clash with the counters' in the registry's check,
+        though not in the exposition (which names the counters `name_total`)."""
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        for counter in self._counters:
+            for family in counter.collect():
+                plain = UnknownMetricFamily(family.name, family.documentation)
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        plain.add_sample(family.name, s.labels, s.value)
+                yield plain
+
+
+class ServerMetrics:
+    """Every metric the server reports. Histogram bucket bounds depend on the server limits."""
+
+    def __init__(self, max_sequence_length: int, max_new_tokens: int, max_batch_size: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.request_count = Counter("tgi_request_count", "Generate calls", ["kind"], registry=r)
+        self.request_input_count = Counter("tgi_request_input_count", "Generate inputs", registry=r)
+        self.request_failure = Counter(
+            "tgi_request_failure", "Failed requests by cause", ["err"], registry=r
+        )
+        self.request_success = Counter(
+            "tgi_request_success", "Successful requests", ["stop_reason", "kind"], registry=r
+        )
+        self.tokenize_request_count = Counter(
+            "tgi_tokenize_request_count", "Tokenize calls", registry=r
+        )
+        self.tokenize_request_input_count = Counter(
+            "tgi_tokenize_request_input_count", "Tokenize inputs", registry=r
+        )
+        self.batch_inference_count = Counter(
+            "tgi_batch_inference_count", "Model calls", ["method"], registry=r
+        )
+        self.batch_inference_success = Counter(
+            "tgi_batch_inference_success", "Successful model calls", ["method"], registry=r
+        )
+        self.batch_inference_failure = Counter(
+            "tgi_batch_inference_failure", "Failed model calls", ["method", "reason"], registry=r
+        )
+        counters = [
+            self.request_count,
+            self.request_input_count,
+            self.request_failure,
+            self.request_success,
+            self.tokenize_request_count,
+            self.tokenize_request_input_count,
+            self.batch_inference_count,
+            self.batch_inference_success,
+            self.batch_inference_failure,
+        ]
+        r.register(_PlainCounterNames(counters))
+
+        seq_buckets = _linear_buckets(max_sequence_length)
+        new_buckets = _linear_buckets(max_new_tokens)
+        self.request_input_length = Histogram(
+            "tgi_request_input_length", "Input tokens", buckets=seq_buckets, registry=r
+        )
+        self.request_max_new_tokens = Histogram(
+            "tgi_request_max_new_tokens",
+            "Requested max_new_tokens",
+            buckets=new_buckets,
+            registry=r,
+        )
+        self.request_generated_tokens = Histogram(
+            "tgi_request_generated_tokens", "Generated tokens", buckets=new_buckets, registry=r
+        )
+        self.request_total_tokens = Histogram(
+            "tgi_request_total_tokens",
+            "Input + generated tokens",
+            buckets=seq_buckets,
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "tgi_request_duration", "End-to-end time (s)", buckets=_DURATION_BUCKETS, registry=r
+        )
+        self.request_validation_duration = Histogram(
+            "tgi_request_validation_duration",
+            "Validation time (s)",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.request_mean_time_per_token_duration = Histogram(
+            "tgi_request_mean_time_per_token_duration",
+            "Time per generated token (s)",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.tokenize_request_tokens = Histogram(
+            "tgi_tokenize_request_tokens",
+            "Tokens per Tokenize call",
+            buckets=tuple(float(2**k) for k in range(6, 20)),
+            registry=r,
+        )
+        self.tokenize_request_duration = Histogram(
+            "tgi_tokenize_request_duration",
+            "Tokenize latency (s)",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.batch_inference_duration = Histogram(
+            "tgi_batch_inference_duration",
+            "Model step latency (s)",
+            ["method", "makeup"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.batch_inference_batch_size = Histogram(
+            "tgi_batch_inference_batch_size",
+            "Requests per model step",
+            ["method"],
+            buckets=tuple(float(i) for i in range(1, max_batch_size + 1)),
+            registry=r,
+        )
+        self.batch_current_size = Gauge("tgi_batch_current_size", "Running requests", registry=r)
+        self.queue_size = Gauge("tgi_queue_size", "Queued requests", registry=r)
+        self.kv_cache_blocks_total = Gauge(
+            "tgi_kv_cache_blocks_total", "KV cache blocks in the pool", registry=r
+        )
+        self.kv_cache_blocks_used = Gauge(
+            "tgi_kv_cache_blocks_used", "KV cache blocks held by requests", registry=r
+        )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,57 @@
+"""The step loop end to end: chunked prefill, preemption and mixed batches change no token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerConfig
+from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
+
+MAX_NEW = 24
+
+
+def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        engine.scheduler.check_integrity()
+    assert engine.kv.num_used_blocks == 0
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "max_batched_tokens"),
+    [(512, 4096), (512, 16), (14, 64)],
+    ids=["ample", "chunked-prefill", "preempting"],
+)
+def test_engine_matches_transformers(
+    tiny_path: Path, num_blocks: int, max_batched_tokens: int
+) -> None:
+    runner = ModelRunner(tiny_path, num_blocks=num_blocks, dtype="float32", block_size=16)
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=max_batched_tokens, max_model_len=2048
+    )
+    engine = LLMEngine(runner, config, frozenset(runner.config.eos_token_ids))
+    prompts = [list(p) for p in chat_prompt_ids(tiny_path)[:10]]
+    outputs = run_all(engine, prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    for prompt, tokens in zip(prompts, outputs, strict=True):
+        compare_greedy(tokens, hf_greedy(tiny_path, tuple(prompt), MAX_NEW))
+
+
+def test_min_new_tokens_suppresses_eos(tiny_path: Path) -> None:
+    runner = ModelRunner(tiny_path, num_blocks=64, dtype="float32")
+    first = hf_greedy(tiny_path, tuple(chat_prompt_ids(tiny_path)[0]), 1).token_ids[0]
+    # Declare the first greedy token to be EOS: without min_new_tokens it ends the request.
+    engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=4), frozenset({first}))
+    prompt = list(chat_prompt_ids(tiny_path)[0])
+    assert run_all(engine, [prompt], SamplingParams(max_new_tokens=8)) == [[first]]
+    out = run_all(engine, [prompt], SamplingParams(max_new_tokens=8, min_new_tokens=3))[0]
+    assert len(out) >= 3 and first not in out[:3]
