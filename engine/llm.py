@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -10,11 +11,11 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.kv_cache import KVCacheManager
-from engine.model_runner import ModelRunner, SequenceInput
+from engine.engine import LLMEngine
+from engine.model_runner import ModelRunner
 from engine.paths import default_model_path
-from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerConfig
 
 
 @dataclass
@@ -22,24 +23,8 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated ids, ending with EOS when EOS stopped it
     text: str
-    finish_reason: str  # "eos" or "length"
+    finish_reason: str  # a FinishReason value: "EOS_TOKEN", "MAX_TOKENS", ...
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # [vocab] per token
-
-
-@dataclass
-class _Seq:
-    seq_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    finish_reason: str | None = None
-    logits: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
 
 class LLM:
@@ -53,8 +38,10 @@ class LLM:
         device: str = "cpu",
         block_size: int | None = None,
         max_num_tokens: int = 65536,
+        max_num_seqs: int = 256,
     ) -> None:
-        """`max_num_tokens` sizes the KV pool (prompt + generated tokens over all sequences)."""
+        """`max_num_tokens` sizes the KV pool (prompt + generated tokens over all sequences) and
+        the per-step token budget; `max_num_seqs` bounds the running batch."""
         path = Path(model_path) if model_path is not None else default_model_path()
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
         probe_block = block_size or (256 if device.startswith("cuda") else 16)
@@ -65,10 +52,17 @@ class LLM:
             device=device,
             block_size=block_size,
         )
-        self.kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size)
-        self.eos_token_ids = set(self.runner.config.eos_token_ids)
+        eos_token_ids = set(self.runner.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+            eos_token_ids.add(self.tokenizer.eos_token_id)
+        config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(max_num_tokens, max_num_seqs),
+            max_model_len=self.runner.config.max_position_embeddings,
+        )
+        self.engine = LLMEngine(self.runner, config, frozenset(eos_token_ids))
+        self._counter = itertools.count()
+        self.kv = self.engine.kv
 
     def generate(
         self,
@@ -82,8 +76,8 @@ class LLM:
         ignore_eos: bool = False,
         return_logits: bool = False,
     ) -> list[GenerationOutput]:
-        """Generate for every prompt in one batch: one prefill step over all prompts, then one
-        decode step per token for the unfinished ones. Greedy unless `temperature` > 0."""
+        """Generate for every prompt through the engine's continuous batching: the prompts are
+        prefilled together and decode together. Greedy unless `temperature` > 0."""
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -92,57 +86,39 @@ class LLM:
             seed=seed,
             ignore_eos=ignore_eos,
         )
-        seqs = [
-            _Seq(i, self._encode(p), params, make_generator(params)) for i, p in enumerate(prompts)
-        ]
-        running = [s for s in seqs if s.prompt_token_ids]
-        if len(running) != len(seqs):
+        encoded = [self._encode(p) for p in prompts]
+        if any(not ids for ids in encoded):
             raise ValueError("empty prompt")
+        ids = [f"llm-{next(self._counter)}" for _ in encoded]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        reasons: dict[str, str] = {}
+        self.engine.record_logits(return_logits)
         try:
-            while running:
-                self._step(running, return_logits)
-                for s in running:
-                    if s.finish_reason is not None:
-                        self.kv.free(s.seq_id)
-                running = [s for s in running if s.finish_reason is None]
+            for request_id, prompt in zip(ids, encoded, strict=True):
+                self.engine.add_request(request_id, prompt, params)
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    tokens[out.request_id] += out.new_token_ids
+                    if out.finish_reason is not None:
+                        reasons[out.request_id] = out.finish_reason.value
         finally:
-            for s in seqs:
-                if self.kv.has(s.seq_id):
-                    self.kv.free(s.seq_id)
+            for request_id in ids:
+                if request_id not in reasons:
+                    self.engine.abort_request(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
         return [
             GenerationOutput(
-                prompt_token_ids=s.prompt_token_ids,
-                token_ids=s.output_token_ids,
-                text=str(self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True)),
-                finish_reason=s.finish_reason or "length",
-                logits=s.logits,
+                prompt_token_ids=prompt,
+                token_ids=tokens[i],
+                text=str(self.tokenizer.decode(tokens[i], skip_special_tokens=True)),
+                finish_reason=reasons[i],
+                logits=self.engine.pop_logits(i),
             )
-            for s in seqs
+            for i, prompt in zip(ids, encoded, strict=True)
         ]
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
         return [int(t) for t in prompt]
-
-    def _step(self, running: list[_Seq], return_logits: bool) -> None:
-        inputs = []
-        for s in running:
-            token_ids = s.token_ids[s.num_computed_tokens :]
-            if not self.kv.allocate_slots(s.seq_id, s.num_computed_tokens + len(token_ids)):
-                raise RuntimeError("KV cache is full: raise max_num_tokens")
-            inputs.append(
-                SequenceInput(token_ids, s.num_computed_tokens, self.kv.block_table(s.seq_id))
-            )
-        out = self.runner.execute(inputs)
-        new_ids = sample(out.logits, [s.params for s in running], [s.generator for s in running])
-        for i, (s, inp) in enumerate(zip(running, inputs, strict=True)):
-            s.num_computed_tokens += len(inp.token_ids)
-            token = new_ids[i]
-            s.output_token_ids.append(token)
-            if return_logits:
-                s.logits.append(out.logits[i].clone())
-            if token in self.eos_token_ids and not s.params.ignore_eos:
-                s.finish_reason = "eos"
-            elif len(s.output_token_ids) >= s.params.max_new_tokens:
-                s.finish_reason = "length"
