@@ -42,15 +42,6 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
-def sample(
-    logits: torch.Tensor,  # [M, vocab] float32
-    params: list[SamplingParams],  # [M]
-    generators: list[torch.Generator | None],  # [M]
-) -> list[int]:
-    """Token ids only, without penalties that need past tokens (the offline `LLM` path)."""
-    return sample_with_details(logits, params, generators, [()] * len(params))[0]
-
-
 def sample_with_details(
     logits: torch.Tensor,  # [M, vocab] float32
     params: Sequence[SamplingParams],  # [M]
