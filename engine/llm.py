@@ -16,6 +16,8 @@ from engine.model_runner import ModelRunner
 from engine.paths import default_model_path
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
+from engine.speculator.loader import load_speculator
+from engine.speculator.proposer import MLPProposer, Proposer
 
 
 @dataclass
@@ -39,9 +41,16 @@ class LLM:
         block_size: int | None = None,
         max_num_tokens: int = 65536,
         max_num_seqs: int = 256,
+        speculator: str | Path | Proposer | None = None,
+        top_k_tokens_per_head: Sequence[int] | None = None,
+        n_candidates: int | None = None,
+        spec_max_batch_size: int = 16,
     ) -> None:
         """`max_num_tokens` sizes the KV pool (prompt + generated tokens over all sequences) and
-        the per-step token budget; `max_num_seqs` bounds the running batch."""
+        the per-step token budget; `max_num_seqs` bounds the running batch. `speculator` (an
+        MLP speculator's path, or any Proposer) turns on speculative decoding for greedy
+        requests while at most `spec_max_batch_size` run; `top_k_tokens_per_head` and
+        `n_candidates` override the speculator config's tree shape."""
         path = Path(model_path) if model_path is not None else default_model_path()
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
         probe_block = block_size or (256 if device.startswith("cuda") else 16)
@@ -60,7 +69,21 @@ class LLM:
             max_num_batched_tokens=max(max_num_tokens, max_num_seqs),
             max_model_len=self.runner.config.max_position_embeddings,
         )
-        self.engine = LLMEngine(self.runner, config, frozenset(eos_token_ids))
+        proposer: Proposer | None = None
+        if isinstance(speculator, str | Path):
+            model = load_speculator(
+                speculator,
+                hidden_size=self.runner.config.hidden_size,
+                vocab_size=self.runner.config.vocab_size,
+                dtype=self.runner.dtype,
+                device=self.runner.device,
+            )
+            proposer = MLPProposer(model, top_k_tokens_per_head, n_candidates)
+        else:
+            proposer = speculator
+        self.engine = LLMEngine(
+            self.runner, config, frozenset(eos_token_ids), proposer, spec_max_batch_size
+        )
         self._counter = itertools.count()
         self.kv = self.engine.kv
 
@@ -113,7 +136,7 @@ class LLM:
                 token_ids=tokens[i],
                 text=str(self.tokenizer.decode(tokens[i], skip_special_tokens=True)),
                 finish_reason=reasons[i],
-                logits=self.engine.pop_logits(i),
+                logits=self.engine.pop_logits(i)[: len(tokens[i])],
             )
             for i, prompt in zip(ids, encoded, strict=True)
         ]

@@ -121,6 +121,17 @@ class ModelRunner:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of cache slots `src[i]` to `dst[i]` in every layer (accepted draft
+        nodes to their sequence positions). All reads happen before any write."""
+        if not src:
+            return
+        src_index = torch.tensor(src, dtype=torch.int64, device=self.device)
+        dst_index = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for cache in (c for layer in self.kv_caches for c in layer):
+            flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
+            flat.index_copy_(0, dst_index, flat.index_select(0, src_index))
+
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> ModelOutput:
         """Run one forward pass over every sequence's new tokens."""

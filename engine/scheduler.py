@@ -299,12 +299,9 @@ class Scheduler:
             raise SchedulerError(f"{self.kv.num_used_blocks} used blocks, {num_blocks} running")
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        # The last token of a request is never fed to the model, so no slot beyond
-        # `max_tokens - 1` is ever needed (this only ever trims drafts).
-        max_tokens = min(
-            self.max_model_len, req.num_prompt_tokens + req.sampling_params.max_new_tokens
-        )
-        num_new = min(req.num_tokens_with_spec, max_tokens - 1) - req.num_computed_tokens
+        # Drafts are tree nodes in consecutive slots (their depth, which bounds the tokens they
+        # can add, is the proposer's business): only their slots must fit max_model_len.
+        num_new = min(req.num_tokens_with_spec, self.max_model_len) - req.num_computed_tokens
         assert num_new >= 1 and budget >= 1, (req.request_id, num_new, budget)
         return min(num_new, budget)
 

@@ -312,16 +312,18 @@ def test_eos_suppressed_before_min_new_tokens() -> None:
     assert sched.kv.num_used_blocks == 0
 
 
-def test_max_new_tokens_trims_drafts() -> None:
-    sched = create_scheduler()
-    (a,) = create_requests(1, max_new_tokens=3)
+def test_max_model_len_trims_drafts() -> None:
+    # Drafts are tree nodes at consecutive slots: only the slots must fit max_model_len (the
+    # proposer bounds the depth by max_new_tokens).
+    sched = create_scheduler(max_model_len=13)
+    (a,) = create_requests(1, max_new_tokens=8)
     sched.add_request(a)
     out = sched.schedule(0.0)
     sched.update_from_output(out, {"0": [11]}, 0.0)
     sched.update_draft_token_ids({"0": [12, 13, 14]})
     out = sched.schedule(0.0)
-    # Two more tokens can be generated: one accepted draft and the bonus token.
-    assert out.num_scheduled_tokens["0"] == 2 and out.scheduled_spec_token_ids["0"] == [12]
+    # 11 tokens are known; slots 10 (token 11), 11 and 12 fit in 13 positions.
+    assert out.num_scheduled_tokens["0"] == 3 and out.scheduled_spec_token_ids["0"] == [12, 13]
     (res,) = sched.update_from_output(out, {"0": [12, 15]}, 0.0)
     assert res.new_token_ids == [12, 15] and res.status == RequestStatus.FINISHED_LENGTH
     assert list(a.output_token_ids) == [11, 12, 15] and sched.kv.num_used_blocks == 0

@@ -1,0 +1,124 @@
+"""Cost of verifying a draft tree at batch 1: the verify step vs the bare matrix products for
+the same number of rows, and vs a plain decode step, measured in one run.
+
+The tree is what the MLP speculator proposes with top-k [5, 3, 2] and 5 candidates (random
+weights: shape only), on a chat prompt's real final hidden state; `--worst-case` uses five
+disjoint paths instead (16 rows). The speculator's own drafting time is reported too.
+
+    python -m bench.bench_verify [--model PATH] [--top-k 5 3 2] [--candidates 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.bench_decode import best_of, engine_step, matmul_floor
+from engine import LLM
+from engine.model_runner import SequenceInput
+from engine.paths import default_model_path
+from engine.speculator.loader import load_speculator
+from engine.speculator.tree import DraftTree
+from tests.reference import CHAT_PROMPTS
+from tools.tiny_speculator import write_tiny_speculator
+
+RESULTS = Path(__file__).parent / "results" / "verify.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=default_model_path())
+    parser.add_argument("--top-k", type=int, nargs="+", default=[5, 3, 2])
+    parser.add_argument("--candidates", type=int, default=5)
+    parser.add_argument("--worst-case", action="store_true")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+
+    llm = LLM(args.model, dtype="float32", max_num_tokens=4096)
+    runner, kv = llm.runner, llm.kv
+    prompt = list(
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": CHAT_PROMPTS[0]}],
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = write_tiny_speculator(
+            tmp, args.model, n_predict=len(args.top_k), inner_dim=runner.config.hidden_size
+        )
+        speculator = load_speculator(
+            spec_path,
+            hidden_size=runner.config.hidden_size,
+            vocab_size=runner.config.vocab_size,
+            dtype=runner.dtype,
+            device="cpu",
+        )
+
+    seq = "bench"
+    depth = len(args.top_k)
+    kv.allocate_slots(seq, len(prompt) + 1 + args.candidates * depth)
+    table = kv.block_table(seq)
+    out = runner.execute([SequenceInput(prompt, 0, table)])
+    state, last = out.hidden_states, out.logits.argmax(-1)
+
+    def draft() -> torch.Tensor:
+        return speculator.generate_candidates(state, last, args.top_k, args.candidates)[0]
+
+    paths = draft()[0].tolist()
+    if args.worst_case:
+        paths = [[1000 * (c + 1) + d for d in range(depth)] for c in range(args.candidates)]
+    tree = DraftTree.from_paths(paths)
+    rows = tree.num_drafts + 1
+    verify = SequenceInput(
+        [int(last), *tree.token_ids],
+        len(prompt),
+        table,
+        positions=[len(prompt) + d for d in tree.depths],
+        tree_mask=tree.attention_mask(),
+        logits_indices=list(range(rows)),
+    )
+    runner.execute([verify])
+    verify_s = best_of(lambda: runner.execute([verify]), args.repeats)
+    kv.free(seq)
+    draft_s = best_of(draft, args.repeats)
+    floor_s = matmul_floor(llm, rows, args.repeats)
+    plain_s = engine_step(llm, [prompt], args.repeats)
+    floor1_s = matmul_floor(llm, 1, args.repeats)
+
+    result = {
+        "model": args.model.name,
+        "top_k": args.top_k,
+        "candidates": args.candidates,
+        "tree_rows": rows,
+        "verify_step_ms": verify_s * 1e3,
+        "matmul_floor_same_rows_ms": floor_s * 1e3,
+        "verify_over_floor": verify_s / floor_s,
+        "plain_step_ms": plain_s * 1e3,
+        "matmul_floor_1_row_ms": floor1_s * 1e3,
+        "verify_over_plain": verify_s / plain_s,
+        "draft_ms": draft_s * 1e3,
+    }
+    print(
+        f"model {args.model.name}, float32, {torch.get_num_threads()} threads; tree top-k "
+        f"{args.top_k} x {args.candidates} candidates = {rows} rows (root + drafts)"
+    )
+    print(f"{'':<26}{'ms':>8}")
+    print(f"{'verify step':<26}{verify_s * 1e3:>8.2f}")
+    print(
+        f"{'matmuls, same rows':<26}{floor_s * 1e3:>8.2f}   verify/floor {verify_s / floor_s:.3f}"
+    )
+    print(f"{'plain decode step':<26}{plain_s * 1e3:>8.2f}   verify/plain {verify_s / plain_s:.3f}")
+    print(f"{'matmuls, 1 row':<26}{floor1_s * 1e3:>8.2f}")
+    print(f"{'speculator drafting':<26}{draft_s * 1e3:>8.2f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Loads an MLP speculator from SPECULATOR_PATH and checks it against the base model.
+
+Accepted forms (mlp-speculator.md §1.3, tgis-interface.md §3.3):
+- an HF folder: `config.json` with `model_type: mlp_speculator` and `model.safetensors`,
+  `pytorch_model.bin` or a sharded index of either;
+- a torch checkpoint file holding the state dict, or a dict with it under `model_state` (fms-fsdp
+  and TGIS's first speculative branch). Its config is the `config.json` beside it when that is
+  a speculator config, else it is read off the tensor shapes (`n_predict` from the number of
+  heads unless given; tied when a single head is stored for several heads).
+
+Keys may carry the HF wrapper's `speculator.` prefix. Tied checkpoints may store one copy of
+each shared tensor or every copy (the copies must then be equal).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engine.models.loader import CheckpointError, checkpoint_files, iter_tensors
+from engine.speculator.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+
+_PREFIX = "speculator."
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def load_speculator(
+    path: str | Path,
+    *,
+    hidden_size: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    n_predict: int | None = None,
+) -> MLPSpeculator:
+    """Build and fill the speculator at `path` for a base model of `hidden_size` and
+    `vocab_size`. Raises CheckpointError naming the path (and tensor, or both mismatched
+    values) when it cannot be used."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: speculator path does not exist")
+    config, tensors = _read(path, n_predict)
+    if config.emb_dim != hidden_size:
+        raise CheckpointError(
+            f"{path}: speculator emb_dim {config.emb_dim} does not match the base model's "
+            f"hidden_size {hidden_size}"
+        )
+    if config.vocab_size != vocab_size:
+        raise CheckpointError(
+            f"{path}: speculator vocab_size {config.vocab_size} does not match the base model's "
+            f"vocab_size {vocab_size}"
+        )
+    model = MLPSpeculator(config, dtype=dtype, device=device)
+    _fill(model, tensors, path)
+    return model.eval()
+
+
+def _read(
+    path: Path, n_predict: int | None
+) -> tuple[MLPSpeculatorConfig, Iterator[tuple[Path, str, torch.Tensor]]]:
+    if path.is_dir():
+        try:
+            config = MLPSpeculatorConfig.from_folder(path)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+        files, _ = checkpoint_files(path)
+        return config, ((f, name, t) for f in files for name, t in iter_tensors(f))
+    state = _read_file(path)
+    try:
+        file_config = MLPSpeculatorConfig.from_folder(path.parent)
+    except ValueError:  # no config.json beside it, or one of something else
+        file_config = None
+    config = file_config or _infer_config(state, path, n_predict)
+    return config, ((path, name, t) for name, t in state.items())
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return dict(iter_tensors(path))
+    if path.suffix not in _TORCH_SUFFIXES:
+        raise CheckpointError(
+            f"{path}: not a speculator folder (with config.json) or checkpoint file "
+            f"(.safetensors, {', '.join(_TORCH_SUFFIXES)})"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: unreadable torch checkpoint ({e})") from e
+    if isinstance(state, dict) and isinstance(state.get("model_state"), dict):
+        state = state["model_state"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}: expected a state dict or a dict with 'model_state'")
+    return state
+
+
+def _infer_config(
+    state: dict[str, torch.Tensor], path: Path, n_predict: int | None
+) -> MLPSpeculatorConfig:
+    names = {_strip(k): v for k, v in state.items()}
+    for key in ("emb.0.weight", "proj.0.weight"):
+        if key not in names:
+            raise CheckpointError(f"{path}: missing tensor '{key}'")
+    vocab, inner = names["emb.0.weight"].shape
+    emb_dim = names["proj.0.weight"].shape[1]
+    heads = {int(m.group(1)) for k in names if (m := re.fullmatch(r"head\.(\d+)\.weight", k))}
+    n = n_predict or len(heads)
+    if n < 1:
+        raise CheckpointError(f"{path}: no 'head.N.weight' tensors")
+    return MLPSpeculatorConfig(
+        vocab_size=int(vocab),
+        emb_dim=int(emb_dim),
+        inner_dim=int(inner),
+        n_predict=n,
+        tie_weights=len(heads) == 1 and n > 1,
+    )
+
+
+def _strip(name: str) -> str:
+    return name[len(_PREFIX) :] if name.startswith(_PREFIX) else name
+
+
+def _fill(
+    model: MLPSpeculator, tensors: Iterator[tuple[Path, str, torch.Tensor]], path: Path
+) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: dict[int, str] = {}  # id(parameter) -> the key that filled it
+    with torch.no_grad():
+        for file, raw_name, tensor in tensors:
+            name = _strip(raw_name)
+            param = params.get(name)
+            if param is None:
+                raise CheckpointError(f"{file}: unexpected tensor '{raw_name}'")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"{file}: tensor '{raw_name}' has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(param.shape)}"
+                )
+            first = loaded.get(id(param))
+            if first is None:
+                param.copy_(tensor)
+                loaded[id(param)] = name
+            elif not torch.equal(param, tensor.to(param.dtype)):
+                raise CheckpointError(
+                    f"{file}: tied tensor '{raw_name}' differs from '{first}' it is tied to"
+                )
+    for name, param in model.named_parameters():
+        if id(param) not in loaded:
+            raise CheckpointError(f"{path}: missing tensor '{name}'")

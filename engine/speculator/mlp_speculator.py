@@ -1,0 +1,243 @@
+"""IBM's MLP speculator ("accelerator"): `n_predict` recurrent MLP stages over the base model's
+final-norm hidden state, each drafting one more token (mlp-speculator.md §1).
+
+Stage i maps a state `s_i` and a token `tok_i` to
+
+    s_{i+1}  = GELU(ln_i(proj_i(s_i) + (alpha / beta) * emb_i(tok_i)))
+    logits_i = head_i(s_{i+1})
+
+with `beta = 0.5 ** (0.5 / n_predict)`, `alpha = sqrt((1 - beta**2) * inner_dim / 2)`, `ln_i` an
+RMS norm with weight and bias (no mean subtraction, eps 1e-6) and the exact erf GELU. `s_0` is the
+base state (with `scale_input`: a parameter-free RMS norm of it, divided by sqrt(2)); `tok_0` is
+the token the base model chose from that state, so head i drafts the token i+1 places after it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODEL_TYPE = "mlp_speculator"
+_EPS = 1e-6
+
+
+def default_top_k_tokens_per_head(n_predict: int) -> tuple[int, ...]:
+    """[5, 3, 2] for three heads (the published default), extended with 2s."""
+    return (5, 3, 2, *([2] * max(0, n_predict - 3)))[:n_predict]
+
+
+@dataclass(frozen=True)
+class MLPSpeculatorConfig:
+    """The fields of an HF `mlp_speculator` config.json (`hidden_size` is read as `emb_dim`;
+    `inner_dim` 0 means `emb_dim`)."""
+
+    vocab_size: int
+    emb_dim: int
+    inner_dim: int = 0
+    n_predict: int = 3
+    top_k_tokens_per_head: tuple[int, ...] = ()
+    n_candidates: int = 5
+    tie_weights: bool = False
+    scale_input: bool = False
+
+    def __post_init__(self) -> None:
+        if self.inner_dim == 0:
+            object.__setattr__(self, "inner_dim", self.emb_dim)
+        if not self.top_k_tokens_per_head:
+            object.__setattr__(
+                self, "top_k_tokens_per_head", default_top_k_tokens_per_head(self.n_predict)
+            )
+        object.__setattr__(self, "top_k_tokens_per_head", tuple(self.top_k_tokens_per_head))
+        for name in ("vocab_size", "emb_dim", "inner_dim", "n_predict", "n_candidates"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"speculator {name} must be positive, got {getattr(self, name)}")
+        check_tree_shape(self.n_predict, self.top_k_tokens_per_head, self.n_candidates)
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> MLPSpeculatorConfig:
+        try:
+            emb_dim = int(cfg["emb_dim"] if "emb_dim" in cfg else cfg["hidden_size"])
+            return cls(
+                vocab_size=int(cfg["vocab_size"]),
+                emb_dim=emb_dim,
+                inner_dim=int(cfg.get("inner_dim", 0)),
+                n_predict=int(cfg.get("n_predict", 3)),
+                top_k_tokens_per_head=tuple(cfg.get("top_k_tokens_per_head") or ()),
+                n_candidates=int(cfg.get("n_candidates", 5)),
+                tie_weights=bool(cfg.get("tie_weights", False)),
+                scale_input=bool(cfg.get("scale_input", False)),
+            )
+        except KeyError as e:
+            raise ValueError(f"speculator config has no {e.args[0]!r}") from None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> MLPSpeculatorConfig:
+        path = Path(folder) / "config.json"
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: unreadable speculator config ({e})") from e
+        if cfg.get("model_type") != MODEL_TYPE:
+            raise ValueError(
+                f"{path}: model_type is {cfg.get('model_type')!r}, expected {MODEL_TYPE!r}"
+            )
+        try:
+            return cls.from_dict(cfg)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        """The HF config.json content (as published accelerators write it)."""
+        d = asdict(self)
+        d["top_k_tokens_per_head"] = list(self.top_k_tokens_per_head)
+        return {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": MODEL_TYPE, **d}
+
+
+def check_tree_shape(n_predict: int, top_k: Sequence[int], n_candidates: int) -> None:
+    """Raise ValueError unless `top_k` has one positive entry per head and `n_candidates` is
+    between 1 and the number of leaves (the product of `top_k`)."""
+    if len(top_k) != n_predict:
+        raise ValueError(
+            f"top_k_tokens_per_head {list(top_k)} must have n_predict ({n_predict}) entries"
+        )
+    if any(k < 1 for k in top_k):
+        raise ValueError(f"top_k_tokens_per_head {list(top_k)} must be positive")
+    if not 1 <= n_candidates <= math.prod(top_k):
+        raise ValueError(
+            f"n_candidates ({n_candidates}) must be between 1 and the number of tree leaves "
+            f"({math.prod(top_k)} for top_k_tokens_per_head {list(top_k)})"
+        )
+
+
+class SpeculatorNorm(nn.Module):
+    """fms's LayerNormParameterized as the speculator uses it: `w * x / rms(x) + b`."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * _rms_normalize(x) + self.bias
+
+
+def _rms_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _EPS)
+
+
+class MLPSpeculator(nn.Module):
+    """The speculator's weights and maths. Parameter names (`emb.i`, `proj.i`, `head.i`,
+    `ln.i.weight/bias`) are the checkpoint's, without the HF wrapper's `speculator.` prefix.
+    With `tie_weights`, every stage shares `emb.0`, `head.0` and `ln.0`, and stages >= 2 share
+    `proj.1` (`proj.0` reads the base width)."""
+
+    def __init__(
+        self,
+        config: MLPSpeculatorConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        n, d_in, d, vocab = config.n_predict, config.emb_dim, config.inner_dim, config.vocab_size
+        device = torch.device(device)
+
+        def linear(fan_in: int, fan_out: int) -> nn.Linear:
+            return nn.Linear(fan_in, fan_out, bias=False, dtype=dtype, device=device)
+
+        def emb() -> nn.Embedding:
+            return nn.Embedding(vocab, d, dtype=dtype, device=device)
+
+        def norm() -> SpeculatorNorm:
+            return SpeculatorNorm(d, dtype, device)
+
+        if config.tie_weights:
+            emb0, head0, ln0 = emb(), linear(d, vocab), norm()
+            proj1 = linear(d, d) if n > 1 else None
+            self.emb = nn.ModuleList([emb0] * n)
+            self.proj = nn.ModuleList([linear(d_in, d)] + [proj1] * (n - 1))  # type: ignore[list-item]
+            self.head = nn.ModuleList([head0] * n)
+            self.ln = nn.ModuleList([ln0] * n)
+        else:
+            self.emb = nn.ModuleList([emb() for _ in range(n)])
+            self.proj = nn.ModuleList([linear(d_in if i == 0 else d, d) for i in range(n)])
+            self.head = nn.ModuleList([linear(d, vocab) for _ in range(n)])
+            self.ln = nn.ModuleList([norm() for _ in range(n)])
+        beta = 0.5 ** (0.5 / n)
+        alpha = math.sqrt((1 - beta**2) * d / 2)
+        self.emb_scale = alpha / beta
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """fms's initialisation: every weight ~ N(0, 1/sqrt(inner_dim)); norms 1 and 0."""
+        std = 1 / math.sqrt(self.config.inner_dim)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.startswith("ln."):
+                    p.fill_(1.0 if name.endswith("weight") else 0.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * std)
+
+    def initial_state(self, state: torch.Tensor) -> torch.Tensor:
+        """`s_0` from the base model's final-norm hidden state [..., emb_dim]."""
+        if self.config.scale_input:
+            return _rms_normalize(state) / math.sqrt(2)
+        return state
+
+    def stage(self, i: int, state: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """`s_{i+1}` [..., inner_dim] from `s_i` [..., d] and `tok_i` [...]."""
+        z = self.emb[i](token_ids) * self.emb_scale
+        return F.gelu(self.ln[i](self.proj[i](state) + z))
+
+    def forward(
+        self,
+        state: torch.Tensor,  # [B, L, emb_dim]: base states at positions t
+        token_ids: torch.Tensor,  # [B, L + n_predict]: token_ids[:, t] was chosen from state t
+    ) -> torch.Tensor:  # [n_predict, B, L, vocab]: head i scores token t + 2 + i
+        """Teacher-forced training forward: stage i reads `token_ids[:, i : i + L]`."""
+        length = state.shape[1]
+        s = self.initial_state(state)
+        logits = []
+        for i in range(self.config.n_predict):
+            s = self.stage(i, s, token_ids[:, i : i + length])
+            logits.append(self.head[i](s))
+        return torch.stack(logits)
+
+    @torch.inference_mode()
+    def generate_candidates(
+        self,
+        state: torch.Tensor,  # [B, emb_dim]: final-norm state where the base chose token_ids
+        token_ids: torch.Tensor,  # [B] int64
+        top_k_tokens_per_head: Sequence[int],
+        n_candidates: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, N, n] int64 paths, [B, N] float32 scores
+        """The `n_candidates` best draft paths by summed log-probability (best first), from a
+        tree that branches into the top `top_k_tokens_per_head[i]` tokens at head i. Children
+        carry their parent's new state; leaves are in mixed-radix order of their ranks before
+        the final top-k (fms-extras' `generate_suffixes`)."""
+        check_tree_shape(self.config.n_predict, top_k_tokens_per_head, n_candidates)
+        batch = state.shape[0]
+        s = self.initial_state(state).unsqueeze(1)  # [B, 1, d_in]
+        tokens = token_ids.view(batch, 1)  # [B, F]: the frontier's tokens
+        scores = torch.zeros(batch, 1, dtype=torch.float32, device=state.device)  # [B, F]
+        paths = torch.zeros(batch, 1, 0, dtype=torch.int64, device=state.device)  # [B, F, i]
+        for i, k in enumerate(top_k_tokens_per_head):
+            s = self.stage(i, s, tokens)  # [B, F, d]
+            logprobs = self.head[i](s).float().log_softmax(-1)  # [B, F, vocab]
+            top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # [B, F, k]
+            scores = (scores.unsqueeze(-1) + top_logprobs).flatten(1)  # [B, F*k]
+            paths = torch.cat(
+                [paths.unsqueeze(2).expand(-1, -1, k, -1), top_ids.unsqueeze(-1)], dim=-1
+            ).flatten(1, 2)  # [B, F*k, i+1]
+            s = s.unsqueeze(2).expand(-1, -1, k, -1).flatten(1, 2)  # [B, F*k, d]
+            tokens = top_ids.flatten(1)  # [B, F*k]
+        best_scores, best = scores.topk(n_candidates, dim=-1)  # [B, N]
+        best_paths = paths.gather(1, best.unsqueeze(-1).expand(-1, -1, paths.shape[-1]))
+        return best_paths, best_scores

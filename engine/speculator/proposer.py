@@ -1,0 +1,72 @@
+"""Draft proposers: what the engine asks, after each step, for the next step's draft trees."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.speculator.mlp_speculator import MLPSpeculator, check_tree_shape
+from engine.speculator.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class ProposalInput:
+    """One request ready to speculate: its known tokens (prompt + output; the last one has no
+    K/V yet and becomes the tree's root), the base model's final-norm hidden state at the
+    position that chose that last token, and the most drafts one path may hold."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    hidden_state: torch.Tensor  # [hidden]
+    max_depth: int
+
+
+class Proposer(Protocol):
+    """Anything that drafts: the MLP speculator, or a test double."""
+
+    @property
+    def num_heads(self) -> int:
+        """The most drafts one path can hold."""
+        ...
+
+    def propose(self, inputs: Sequence[ProposalInput]) -> list[DraftTree]:
+        """One tree per input, none deeper than its `max_depth` (>= 1)."""
+        ...
+
+
+class MLPProposer:
+    """Drafts the `n_candidates` best paths of an MLPSpeculator's top-k tree, merged."""
+
+    def __init__(
+        self,
+        speculator: MLPSpeculator,
+        top_k_tokens_per_head: Sequence[int] | None = None,
+        n_candidates: int | None = None,
+    ) -> None:
+        """`top_k_tokens_per_head` and `n_candidates` override the speculator's config."""
+        config = speculator.config
+        self.speculator = speculator
+        self.top_k_tokens_per_head = tuple(top_k_tokens_per_head or config.top_k_tokens_per_head)
+        self.n_candidates = n_candidates or config.n_candidates
+        check_tree_shape(config.n_predict, self.top_k_tokens_per_head, self.n_candidates)
+
+    @property
+    def num_heads(self) -> int:
+        return self.speculator.config.n_predict
+
+    def propose(self, inputs: Sequence[ProposalInput]) -> list[DraftTree]:
+        if not inputs:
+            return []
+        param = next(self.speculator.parameters())
+        states = torch.stack([p.hidden_state for p in inputs]).to(param.device, param.dtype)
+        last = torch.tensor([p.token_ids[-1] for p in inputs], device=param.device)
+        paths, _ = self.speculator.generate_candidates(
+            states, last, self.top_k_tokens_per_head, self.n_candidates
+        )
+        return [
+            DraftTree.from_paths(candidates, p.max_depth)
+            for p, candidates in zip(inputs, paths.tolist(), strict=True)
+        ]

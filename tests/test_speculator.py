@@ -1,0 +1,256 @@
+"""The MLP speculator's maths, candidate tree, draft trees and checkpoint loading.
+
+Oracles: the formulas of mlp-speculator.md §1.4-§1.5 written out per path in plain torch, the
+published constants, and the tensors the checkpoint generator wrote.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models.loader import CheckpointError
+from engine.speculator.loader import load_speculator
+from engine.speculator.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.speculator.tree import DraftTree
+from tools.tiny_speculator import FORMATS, write_tiny_speculator
+
+
+def _random_speculator(
+    n_predict: int = 3, tie: bool = False, scale: bool = False, seed: int = 0
+) -> MLPSpeculator:
+    config = MLPSpeculatorConfig(
+        vocab_size=50, emb_dim=24, inner_dim=16, n_predict=n_predict, tie_weights=tie,
+        scale_input=scale,
+    )  # fmt: skip
+    model = MLPSpeculator(config)
+    generator = torch.Generator().manual_seed(seed)
+    model.reset_parameters(generator)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("ln."):
+                p.add_(torch.randn(p.shape, generator=generator) * 0.2)
+    return model
+
+
+@torch.no_grad()
+def _reference_path_logprobs(
+    model: MLPSpeculator, state: torch.Tensor, token: int, path: list[int]
+) -> list[torch.Tensor]:
+    """Per-head log-softmax along one path, straight from the §1.4 recurrence with the
+    beta/alpha weighted sum (the Feb-2024 form), not the module's scaled form."""
+    cfg = model.config
+    n, d = cfg.n_predict, cfg.inner_dim
+    beta = 0.5 ** (0.5 / n)
+    alpha = math.sqrt((1 - beta**2) * d / 2)
+    s = state.double()
+    if cfg.scale_input:
+        s = s / torch.sqrt(s.pow(2).mean() + 1e-6) / math.sqrt(2)
+    tokens = [token, *path]
+    out = []
+    for i in range(len(path)):
+        u = model.proj[i].weight.double() @ s
+        z = model.emb[i].weight.double()[tokens[i]]
+        x = beta * u + alpha * z
+        x = x / torch.sqrt(x.pow(2).mean() + 1e-6)
+        x = model.ln[i].weight.double() * x + model.ln[i].bias.double()
+        s = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+        out.append((model.head[i].weight.double() @ s).log_softmax(-1))
+    return out
+
+
+def test_constants_match_the_published_values() -> None:
+    config = MLPSpeculatorConfig(vocab_size=10, emb_dim=5120, inner_dim=4096, n_predict=3)
+    assert config.top_k_tokens_per_head == (5, 3, 2)
+    assert MLPSpeculator(config, device="meta").emb_scale == pytest.approx(23.0720, abs=1e-4)
+    config = MLPSpeculatorConfig(vocab_size=10, emb_dim=4096, inner_dim=3072, n_predict=4)
+    assert MLPSpeculator(config, device="meta").emb_scale == pytest.approx(17.0476, abs=1e-4)
+
+
+def test_parameter_count_of_llama_13b_accelerator() -> None:
+    config = MLPSpeculatorConfig(vocab_size=32000, emb_dim=5120, inner_dim=4096, n_predict=3)
+    model = MLPSpeculator(config, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == 840_982_528
+
+
+def test_tied_weights_share_as_specified() -> None:
+    model = _random_speculator(n_predict=4, tie=True)
+    assert all(model.emb[i] is model.emb[0] for i in range(4))
+    assert all(model.head[i] is model.head[0] for i in range(4))
+    assert all(model.ln[i] is model.ln[0] for i in range(4))
+    assert model.proj[2] is model.proj[1] and model.proj[3] is model.proj[1]
+    assert model.proj[1] is not model.proj[0]
+    names = [n for n, _ in model.named_parameters()]
+    unique = ["emb.0.weight", "proj.0.weight", "proj.1.weight", "head.0.weight", "ln.0.weight"]
+    assert sorted(names) == sorted([*unique, "ln.0.bias"])
+
+
+@pytest.mark.parametrize(("tie", "scale"), [(False, False), (True, True), (False, True)])
+def test_candidates_are_the_best_joint_paths(tie: bool, scale: bool) -> None:
+    model = _random_speculator(tie=tie, scale=scale)
+    top_k = (4, 3, 2)
+    states = torch.randn(2, 24, generator=torch.Generator().manual_seed(1))
+    tokens = torch.tensor([3, 17])
+    paths, scores = model.generate_candidates(states, tokens, top_k, 24)  # every leaf
+    for b in range(2):
+        # Expected: enumerate the tree with per-head top-k from the reference recurrence.
+        leaves: dict[tuple[int, ...], float] = {}
+        for ranks in itertools.product(*(range(k) for k in top_k)):
+            path: list[int] = []
+            score = 0.0
+            for i, r in enumerate(ranks):
+                logprobs = _reference_path_logprobs(model, states[b], int(tokens[b]), [*path, 0])
+                order = logprobs[i].argsort(descending=True)
+                path.append(int(order[r]))
+                score += float(logprobs[i][order[r]])
+            leaves[tuple(path)] = score
+        got = {tuple(p): float(s) for p, s in zip(paths[b].tolist(), scores[b], strict=True)}
+        assert got.keys() == leaves.keys()
+        for path, score in got.items():
+            assert score == pytest.approx(leaves[path], abs=1e-4)
+        assert scores[b].tolist() == sorted(scores[b].tolist(), reverse=True)
+        best, _ = model.generate_candidates(states[b : b + 1], tokens[b : b + 1], top_k, 5)
+        assert best[0].tolist() == paths[b, :5].tolist()
+
+
+def test_teacher_forced_forward_matches_the_recurrence() -> None:
+    model = _random_speculator(scale=True)
+    state = torch.randn(1, 4, 24, generator=torch.Generator().manual_seed(2))
+    token_ids = torch.randint(0, 50, (1, 7), generator=torch.Generator().manual_seed(3))
+    logits = model(state, token_ids)  # [3, 1, 4, 50]
+    for t in range(4):
+        path = token_ids[0, t + 1 : t + 4].tolist()
+        expected = _reference_path_logprobs(model, state[0, t], int(token_ids[0, t]), path)
+        for i in range(3):
+            got = logits[i, 0, t].double().log_softmax(-1)
+            torch.testing.assert_close(got, expected[i], atol=1e-5, rtol=1e-5)
+    assert F.gelu(torch.tensor(1.0)).item() == pytest.approx(0.841345, abs=1e-6)  # exact GELU
+
+
+def test_tree_shape_is_validated() -> None:
+    with pytest.raises(ValueError, match="n_predict"):
+        MLPSpeculatorConfig(vocab_size=5, emb_dim=4, n_predict=3, top_k_tokens_per_head=(5, 3))
+    with pytest.raises(ValueError, match="n_candidates"):
+        MLPSpeculatorConfig(
+            vocab_size=5, emb_dim=4, n_predict=2, top_k_tokens_per_head=(2, 2), n_candidates=5
+        )
+
+
+def test_draft_tree_merges_shared_prefixes_in_candidate_order() -> None:
+    tree = DraftTree.from_paths([[1, 2, 3], [1, 2, 4], [1, 5, 6]])
+    assert tree.token_ids == (1, 2, 3, 4, 5, 6)
+    assert tree.parents == (0, 1, 2, 2, 1, 5)
+    assert tree.depths == (0, 1, 2, 3, 3, 2, 3)
+    assert tree.depth == 3
+    assert tree.child(2, 4) == 4 and tree.child(2, 9) is None
+    assert tree.path(6) == [1, 5, 6]
+    assert DraftTree.from_paths([[1, 2, 3], [7, 8, 9]], max_depth=2).token_ids == (1, 2, 7, 8)
+    assert tree.truncate(3) == DraftTree((1, 2, 3), (0, 1, 2))
+
+
+def test_draft_tree_mask_is_ancestor_or_self() -> None:
+    tree = DraftTree.from_paths([[1, 2, 3], [1, 2, 4], [1, 5, 6], [7]])
+    mask = tree.attention_mask()
+    n = tree.num_drafts + 1
+    for i in range(n):
+        ancestors = {0, *tree.path(i)}
+        assert {j for j in range(n) if mask[i, j]} == ancestors
+    with pytest.raises(ValueError, match="precede"):
+        DraftTree((1, 2), (0, 2))
+    with pytest.raises(ValueError, match="sibling"):
+        DraftTree((1, 1), (0, 0))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tie", [False, True])
+def test_loader_reads_every_format(tmp_path: Path, tiny_path: Path, fmt: str, tie: bool) -> None:
+    path = write_tiny_speculator(tmp_path / "spec", tiny_path, tie_weights=tie, fmt=fmt, seed=5)
+    config = json.loads((tiny_path / "config.json").read_text())
+    model = load_speculator(
+        path,
+        hidden_size=config["hidden_size"],
+        vocab_size=config["vocab_size"],
+        dtype=torch.float32,
+        device="cpu",
+        n_predict=3 if fmt == "torch-file" and tie else None,
+    )
+    reference = load_speculator(
+        write_tiny_speculator(tmp_path / "ref", tiny_path, tie_weights=tie, seed=5),
+        hidden_size=config["hidden_size"],
+        vocab_size=config["vocab_size"],
+        dtype=torch.float32,
+        device="cpu",
+    )
+    assert model.config.n_predict == 3 and model.config.tie_weights == tie
+    for (name, p), (_, q) in zip(
+        model.state_dict().items(), reference.state_dict().items(), strict=True
+    ):
+        assert torch.equal(p, q), name
+
+
+def test_loader_accepts_duplicated_tied_tensors_without_prefix(
+    tmp_path: Path, tiny_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = write_tiny_speculator(tmp_path / "spec", tiny_path, tie_weights=True)
+    state = load_file(str(folder / "model.safetensors"))
+    full = {k.removeprefix("speculator."): v for k, v in state.items()}
+    for i in (1, 2):
+        full[f"emb.{i}.weight"] = full["emb.0.weight"].clone()
+        full[f"head.{i}.weight"] = full["head.0.weight"].clone()
+    full["proj.2.weight"] = full["proj.1.weight"].clone()
+    save_file(full, str(folder / "model.safetensors"))
+    cfg = json.loads((tiny_path / "config.json").read_text())
+    model = load_speculator(
+        folder, hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+        dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+    assert torch.equal(model.emb[2].weight, state["speculator.emb.0.weight"])
+    full["head.2.weight"] = full["head.2.weight"] + 1
+    save_file(full, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tied tensor 'head\.2\.weight' differs"):
+        load_speculator(
+            folder, hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+            dtype=torch.float32, device="cpu",
+        )  # fmt: skip
+
+
+def test_loader_refuses_mismatches_and_broken_checkpoints(tmp_path: Path, tiny_path: Path) -> None:
+    cfg = json.loads((tiny_path / "config.json").read_text())
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+
+    def load(path: Path) -> MLPSpeculator:
+        return load_speculator(
+            path, hidden_size=hidden, vocab_size=vocab, dtype=torch.float32, device="cpu"
+        )
+
+    wide = write_tiny_speculator(tmp_path / "wide", tiny_path, emb_dim=hidden + 8)
+    with pytest.raises(CheckpointError, match=f"emb_dim {hidden + 8} .* hidden_size {hidden}"):
+        load(wide)
+    small = write_tiny_speculator(tmp_path / "small", tiny_path, vocab_size=vocab - 1)
+    with pytest.raises(CheckpointError, match=f"vocab_size {vocab - 1} .* vocab_size {vocab}"):
+        load(small)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load(tmp_path / "nowhere")
+    from safetensors.torch import load_file, save_file
+
+    folder = write_tiny_speculator(tmp_path / "broken", tiny_path)
+    state = load_file(str(folder / "model.safetensors"))
+    del state["speculator.head.1.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'head\.1\.weight'"):
+        load(folder)
+    state["speculator.extra.weight"] = torch.zeros(2)
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'speculator\.extra\.weight'"):
+        load(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="model_type is 'llama'"):
+        load(folder)
