@@ -18,6 +18,7 @@ from engine.request import Request
 from engine.sampler import TokenLogprobs, make_generator, sample_with_details, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.speculator.policy import SpeculationPolicy
 from engine.speculator.proposer import ProposalInput, Proposer
 from engine.speculator.tree import DraftTree
 
@@ -67,13 +68,18 @@ class LLMEngine:
         eos_token_ids: frozenset[int],
         proposer: Proposer | None = None,
         spec_max_batch_size: int = 16,
+        policy: SpeculationPolicy | None = None,
     ) -> None:
+        """Without a `policy` every speculating request verifies the proposer's whole tree;
+        with one, the policy picks per step how many candidates pay (possibly none)."""
         self.runner = runner
         self.kv = KVCacheManager(runner.num_blocks, runner.block_size)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self.eos_token_ids = eos_token_ids
         self.proposer = proposer
         self.spec_max_batch_size = spec_max_batch_size
+        self.policy = policy
+        self._propose_seconds = 0.0  # drafting for the coming step, part of its cost
         self._trees: dict[str, DraftTree] = {}  # proposed for the next step
         self._hidden_states: dict[str, torch.Tensor] = {}  # [hidden] where the last token came
         self._generators: dict[str, torch.Generator | None] = {}
@@ -116,6 +122,7 @@ class LLMEngine:
     def step(self) -> list[EngineOutput]:
         """Run one step. Returns the requests that gained tokens or finished, including those the
         scheduler finished without running (aborted, time limit, too long)."""
+        start = time.perf_counter()
         sched = self.scheduler.schedule(time.monotonic())
         outputs = [EngineOutput(r.request_id, [], r.status) for r in sched.finished_requests]
         if sched.scheduled_requests:
@@ -141,7 +148,12 @@ class LLMEngine:
             if out.finished:
                 self._generators.pop(out.request_id, None)
                 self._prompt_logprobs.pop(out.request_id, None)
+        if self.policy is not None and sched.scheduled_requests:
+            seconds = time.perf_counter() - start + self._propose_seconds
+            self.policy.observe_step(sched.total_num_scheduled_tokens, seconds)
+        start = time.perf_counter()
         self._propose()
+        self._propose_seconds = time.perf_counter() - start
         return outputs
 
     def _execute(
@@ -274,6 +286,8 @@ class LLMEngine:
                     src += self.kv.slot_mapping(request_id, start + node, start + node + 1)
                     dst += self.kv.slot_mapping(request_id, start + depth, start + depth + 1)
             self._hidden_states[request_id] = hidden_states[v.first_row + v.node]
+            if self.policy is not None:
+                self.policy.observe_tree(v.tree, v.token_ids)
         self.runner.copy_slots(src, dst)
 
     def _propose(self) -> None:
@@ -298,7 +312,15 @@ class LLMEngine:
             max_depth = min(self.proposer.num_heads, remaining - 1)
             if max_depth >= 1:
                 inputs.append(ProposalInput(req.request_id, req.all_token_ids, hidden, max_depth))
+        num_candidates = self.proposer.num_candidates
+        if self.policy is not None:
+            num_plain_rows = self.scheduler.num_running - len(inputs)
+            num_candidates = self.policy.choose(num_plain_rows, len(inputs))
+        if not inputs or num_candidates == 0:
+            return
         trees = self.proposer.propose(inputs)
+        if num_candidates < self.proposer.num_candidates:
+            trees = [t.first_candidates(num_candidates) for t in trees]
         self._trees = {p.request_id: t for p, t in zip(inputs, trees, strict=True)}
         self.scheduler.update_draft_token_ids(
             {request_id: tree.token_ids for request_id, tree in self._trees.items()}

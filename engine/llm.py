@@ -17,6 +17,7 @@ from engine.paths import default_model_path
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.speculator.loader import load_speculator
+from engine.speculator.policy import SpeculationPolicy
 from engine.speculator.proposer import MLPProposer, Proposer
 
 
@@ -45,12 +46,14 @@ class LLM:
         top_k_tokens_per_head: Sequence[int] | None = None,
         n_candidates: int | None = None,
         spec_max_batch_size: int = 16,
+        adaptive_speculation: bool = True,
     ) -> None:
         """`max_num_tokens` sizes the KV pool (prompt + generated tokens over all sequences) and
         the per-step token budget; `max_num_seqs` bounds the running batch. `speculator` (an
         MLP speculator's path, or any Proposer) turns on speculative decoding for greedy
         requests while at most `spec_max_batch_size` run; `top_k_tokens_per_head` and
-        `n_candidates` override the speculator config's tree shape."""
+        `n_candidates` override the speculator config's tree shape. With
+        `adaptive_speculation`, a SpeculationPolicy picks per step how many candidates pay."""
         path = Path(model_path) if model_path is not None else default_model_path()
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
         probe_block = block_size or (256 if device.startswith("cuda") else 16)
@@ -81,8 +84,11 @@ class LLM:
             proposer = MLPProposer(model, top_k_tokens_per_head, n_candidates)
         else:
             proposer = speculator
+        policy = None
+        if proposer is not None and adaptive_speculation:
+            policy = SpeculationPolicy(proposer.num_candidates)
         self.engine = LLMEngine(
-            self.runner, config, frozenset(eos_token_ids), proposer, spec_max_batch_size
+            self.runner, config, frozenset(eos_token_ids), proposer, spec_max_batch_size, policy
         )
         self._counter = itertools.count()
         self.kv = self.engine.kv

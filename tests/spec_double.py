@@ -37,6 +37,10 @@ class ScriptedProposer:
     def num_heads(self) -> int:
         return self._num_heads
 
+    @property
+    def num_candidates(self) -> int:
+        return self.n_candidates
+
     def propose(self, inputs: Sequence[ProposalInput]) -> list[DraftTree]:
         return [self._tree(p) for p in inputs]
 

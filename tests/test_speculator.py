@@ -151,7 +151,11 @@ def test_draft_tree_merges_shared_prefixes_in_candidate_order() -> None:
     assert tree.child(2, 4) == 4 and tree.child(2, 9) is None
     assert tree.path(6) == [1, 5, 6]
     assert DraftTree.from_paths([[1, 2, 3], [7, 8, 9]], max_depth=2).token_ids == (1, 2, 7, 8)
-    assert tree.truncate(3) == DraftTree((1, 2, 3), (0, 1, 2))
+    assert tree.leaves == (3, 4, 6)
+    assert tree.truncate(3) == DraftTree((1, 2, 3), (0, 1, 2), (3,))
+    assert tree.first_candidates(2) == DraftTree((1, 2, 3, 4), (0, 1, 2, 2), (3, 4))
+    assert tree.match_lengths([1, 2, 4, 9]) == [2, 3, 1]
+    assert tree.match_lengths([7]) == [0, 0, 0]
 
 
 def test_draft_tree_mask_is_ancestor_or_self() -> None:

@@ -32,6 +32,11 @@ class Proposer(Protocol):
         """The most drafts one path can hold."""
         ...
 
+    @property
+    def num_candidates(self) -> int:
+        """Candidate paths per tree (trees list them in `leaves`, best first)."""
+        ...
+
     def propose(self, inputs: Sequence[ProposalInput]) -> list[DraftTree]:
         """One tree per input, none deeper than its `max_depth` (>= 1)."""
         ...
@@ -56,6 +61,10 @@ class MLPProposer:
     @property
     def num_heads(self) -> int:
         return self.speculator.config.n_predict
+
+    @property
+    def num_candidates(self) -> int:
+        return self.n_candidates
 
     def propose(self, inputs: Sequence[ProposalInput]) -> list[DraftTree]:
         if not inputs:

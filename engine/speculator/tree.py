@@ -27,6 +27,9 @@ class DraftTree:
 
     token_ids: tuple[int, ...] = ()
     parents: tuple[int, ...] = ()
+    leaves: tuple[int, ...] = ()
+    """The last node of each candidate path, best candidate first (for acceptance statistics;
+    empty when the tree was not built from candidates)."""
     depths: tuple[int, ...] = field(init=False, repr=False)  # of nodes 0..n (root: 0)
     _children: tuple[dict[int, int], ...] = field(init=False, repr=False, compare=False)
 
@@ -52,6 +55,7 @@ class DraftTree:
         cutting every path to `max_depth` tokens."""
         token_ids: list[int] = []
         parents: list[int] = []
+        leaves: list[int] = []
         index: dict[tuple[int, ...], int] = {(): 0}
         for path in paths:
             path = tuple(int(t) for t in path[:max_depth])
@@ -60,12 +64,14 @@ class DraftTree:
                     token_ids.append(path[d - 1])
                     parents.append(index[path[: d - 1]])
                     index[path[:d]] = len(token_ids)
-        return cls(tuple(token_ids), tuple(parents))
+            leaves.append(index[path])
+        return cls(tuple(token_ids), tuple(parents), tuple(leaves))
 
     @classmethod
     def chain(cls, token_ids: Sequence[int]) -> DraftTree:
-        """A single path."""
-        return cls(tuple(token_ids), tuple(range(len(token_ids))))
+        """A single path (one candidate)."""
+        n = len(token_ids)
+        return cls(tuple(token_ids), tuple(range(n)), (n,) if n else ())
 
     @property
     def num_drafts(self) -> int:
@@ -77,10 +83,28 @@ class DraftTree:
         return max(self.depths)
 
     def truncate(self, num_drafts: int) -> DraftTree:
-        """The tree of the first `num_drafts` draft nodes."""
+        """The tree of the first `num_drafts` draft nodes (and the candidates wholly in it)."""
         if num_drafts >= self.num_drafts:
             return self
-        return DraftTree(self.token_ids[:num_drafts], self.parents[:num_drafts])
+        leaves = tuple(leaf for leaf in self.leaves if leaf <= num_drafts)
+        return DraftTree(self.token_ids[:num_drafts], self.parents[:num_drafts], leaves)
+
+    def first_candidates(self, num_candidates: int) -> DraftTree:
+        """The tree of the first `num_candidates` candidate paths (nodes come in candidate
+        order, so it is a prefix of this one)."""
+        leaves = self.leaves[:num_candidates]
+        return self.truncate(max(leaves, default=0))
+
+    def match_lengths(self, token_ids: list[int]) -> list[int]:
+        """For each candidate, how many of its drafts equal the start of `token_ids`."""
+        lengths = []
+        for leaf in self.leaves:
+            path = [self.token_ids[node - 1] for node in self.path(leaf)]
+            n = 0
+            while n < min(len(path), len(token_ids)) and path[n] == token_ids[n]:
+                n += 1
+            lengths.append(n)
+        return lengths
 
     def child(self, node: int, token_id: int) -> int | None:
         """The child of `node` holding `token_id`, if any."""

@@ -1,0 +1,101 @@
+"""When speculation pays, and with how many candidates, from costs measured while serving.
+
+Before each step the engine asks `choose(num_plain_rows, num_spec_requests)` for the number k of
+candidate paths each speculating request verifies (0: none, decode normally). The choice
+maximises the step's expected tokens per second,
+
+    (num_plain_rows + num_spec_requests * T_k) / time(num_plain_rows + num_spec_requests * S_k)
+
+with T_k the mean tokens a request gains with its first k candidates (accepted drafts + 1;
+T_0 = 1), S_k the mean rows their tree takes (S_0 = 1) and time(rows) the measured time of a
+step of that many rows (including drafting, for speculative steps). Every verified tree of K
+candidates also tells what each k <= K would have accepted (`DraftTree.match_lengths`), so one
+full-tree step updates every T_k. A choice whose step time was never measured is tried once;
+every `refresh_every` speculative steps the full tree is verified again so that T_k stays
+current.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from engine.speculator.tree import DraftTree
+
+
+class _Mean:
+    """An exponential moving average (a plain mean for the first 1/alpha samples)."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.count = 0
+        self.value = 0.0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.value += (x - self.value) * max(self.alpha, 1 / self.count)
+
+
+class SpeculationPolicy:
+    def __init__(self, num_candidates: int, refresh_every: int = 16, alpha: float = 0.05) -> None:
+        if num_candidates < 1:
+            raise ValueError(f"num_candidates must be positive, got {num_candidates}")
+        self.num_candidates = num_candidates
+        self.refresh_every = refresh_every
+        self.alpha = alpha
+        self.tokens = [_Mean(alpha) for _ in range(num_candidates + 1)]  # T_k
+        self.rows = [_Mean(alpha) for _ in range(num_candidates + 1)]  # S_k
+        self._step_seconds: dict[int, _Mean] = {}  # rows -> seconds
+        self._since_full = 0
+
+    def choose(self, num_plain_rows: int, num_spec_requests: int) -> int:
+        """How many candidates each of `num_spec_requests` requests verifies next step."""
+        if num_spec_requests == 0:
+            return 0
+        full = self.num_candidates
+        if self.tokens[full].count == 0 or self._since_full >= self.refresh_every:
+            return self._chosen(full)
+        best_k, best_rate = 0, 0.0
+        for k in range(full + 1):
+            if k and self.tokens[k].count == 0:
+                continue
+            tokens = num_plain_rows + num_spec_requests * (self.tokens[k].value if k else 1.0)
+            rows = num_plain_rows + num_spec_requests * (self.rows[k].value if k else 1.0)
+            seconds = self.predict_seconds(round(rows))
+            if seconds is None:
+                return self._chosen(k)  # never measured: try it once
+            if tokens / seconds > best_rate:
+                best_k, best_rate = k, tokens / seconds
+        return self._chosen(best_k)
+
+    def _chosen(self, k: int) -> int:
+        self._since_full = 0 if k == self.num_candidates else self._since_full + (k > 0)
+        return k
+
+    def observe_tree(self, tree: DraftTree, token_ids: list[int]) -> None:
+        """A verified tree and the tokens its request gained from it."""
+        matches = tree.match_lengths(token_ids)
+        best = 0
+        for k in range(1, len(matches) + 1):
+            best = max(best, matches[k - 1])
+            self.tokens[k].add(best + 1)
+            self.rows[k].add(max(tree.leaves[:k]) + 1)
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A step that fed `num_rows` tokens to the model took `seconds`."""
+        self._step_seconds.setdefault(num_rows, _Mean(self.alpha)).add(seconds)
+
+    def predict_seconds(self, num_rows: int) -> float | None:
+        """Measured, or interpolated between the nearest measured row counts; None when no
+        measured count lies at or above `num_rows` (extrapolating would guess)."""
+        if num_rows in self._step_seconds:
+            return self._step_seconds[num_rows].value
+        known = sorted(self._step_seconds)
+        i = bisect.bisect_left(known, num_rows)
+        if i == len(known):
+            return None
+        hi = known[i]
+        if i == 0:
+            return self._step_seconds[hi].value
+        lo = known[i - 1]
+        t_lo, t_hi = self._step_seconds[lo].value, self._step_seconds[hi].value
+        return t_lo + (t_hi - t_lo) * (num_rows - lo) / (hi - lo)

@@ -1,0 +1,93 @@
+"""The speculation policy: its statistics against hand-computed values, its choice against the
+throughput formula, and in the engine: speculation that does not pay is switched off, without
+changing any token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.paths import model_path
+from engine.sampling_params import SamplingParams
+from engine.speculator.loader import load_speculator
+from engine.speculator.policy import SpeculationPolicy
+from engine.speculator.proposer import MLPProposer
+from engine.speculator.tree import DraftTree
+from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
+from tests.spec_double import ScriptedProposer
+from tests.test_spec_decoding import make_engine, run
+from tools.tiny_speculator import write_tiny_speculator
+
+TREE = DraftTree.from_paths([[1, 2, 3], [1, 2, 4], [5, 6, 7]])  # leaves 3, 4, 7
+
+
+def test_tree_statistics_per_candidate_count() -> None:
+    policy = SpeculationPolicy(num_candidates=3, alpha=1.0)
+    policy.observe_tree(TREE, [1, 2, 4, 8])  # candidate 1 matches 3 drafts, candidate 0 two
+    assert [policy.tokens[k].value for k in (1, 2, 3)] == [3, 4, 4]
+    assert [policy.rows[k].value for k in (1, 2, 3)] == [4, 5, 8]
+    policy.observe_tree(TREE.first_candidates(1), [9])
+    assert policy.tokens[1].value == 1 and policy.tokens[2].value == 4
+
+
+def test_interpolates_measured_step_times() -> None:
+    policy = SpeculationPolicy(num_candidates=1)
+    policy.observe_step(2, 0.010)
+    policy.observe_step(10, 0.030)
+    assert policy.predict_seconds(2) == pytest.approx(0.010)
+    assert policy.predict_seconds(6) == pytest.approx(0.020)
+    assert policy.predict_seconds(1) == pytest.approx(0.010)
+    assert policy.predict_seconds(11) is None
+
+
+def test_chooses_the_best_expected_rate() -> None:
+    policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0)
+    assert policy.choose(num_plain_rows=0, num_spec_requests=2) == 3  # nothing known: full tree
+    policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
+    for rows, seconds in [(2, 0.010), (8, 0.020), (10, 0.060), (16, 0.100)]:
+        policy.observe_step(rows, seconds)
+    # Two requests: k=0 -> 2 tokens / 10 ms; k=1 -> 6 / 20 ms; k=2 -> 8 / 60 ms; k=3 -> 8 / 100.
+    assert policy.choose(0, 2) == 1
+    policy.observe_step(8, 0.100)  # drafting got dear: 6 / 100 ms loses to 2 / 10 ms
+    assert policy.choose(0, 2) == 0
+    assert policy.choose(0, 0) == 0
+
+
+def test_refreshes_the_full_tree_statistics() -> None:
+    policy = SpeculationPolicy(num_candidates=3, refresh_every=2, alpha=1.0)
+    policy.observe_tree(TREE, [1, 2, 4, 8])
+    for rows, seconds in [(1, 0.010), (4, 0.011), (5, 0.5), (8, 0.9)]:
+        policy.observe_step(rows, seconds)
+    assert [policy.choose(0, 1) for _ in range(6)] == [1, 1, 3, 1, 1, 3]
+
+
+def test_engine_stops_speculating_when_drafts_never_pay(tmp_path: Path) -> None:
+    path = model_path("tiny-llama-gqa-tied")
+    spec = write_tiny_speculator(tmp_path / "spec", path, n_predict=3)
+    engine = make_engine(path)
+    cfg = engine.runner.config
+    speculator = load_speculator(
+        spec, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, dtype=engine.runner.dtype,
+        device="cpu",
+    )  # fmt: skip
+    engine.proposer = MLPProposer(speculator, (5, 3, 2), 5)
+    engine.policy = SpeculationPolicy(5, refresh_every=1000)
+    prompt = list(chat_prompt_ids(path)[0])
+    result = run(engine, [prompt], SamplingParams(max_new_tokens=64))
+    compare_greedy(result.token_ids["0"], hf_greedy(path, tuple(prompt), 64))
+    depths = [o.draft_depth for o in result.outputs["0"]]
+    assert sum(d > 0 for d in depths[:3]) >= 1  # tried
+    assert sum(d > 0 for d in depths[-20:]) <= 2  # then (nearly) never again: random drafts
+
+
+def test_engine_keeps_speculating_when_drafts_pay() -> None:
+    path = model_path("tiny-llama-gqa-tied")
+    prompt = list(chat_prompt_ids(path)[1])
+    ref = hf_greedy(path, tuple(prompt), 64)
+    double = ScriptedProposer([prompt + ref.token_ids], accept_lengths=[4], num_heads=4)
+    engine = make_engine(path, double)
+    engine.policy = SpeculationPolicy(1)
+    result = run(engine, [prompt], SamplingParams(max_new_tokens=64))
+    compare_greedy(result.token_ids["0"], ref)
+    assert len(result.outputs["0"]) <= 64 // 5 + 4
