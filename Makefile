@@ -33,23 +33,33 @@ models: install ## Prepare SmolLM2-135M-Instruct and the tiny test checkpoints i
 	$(PY) -m tools.prepare_models
 
 .PHONY: lint
-lint: gen-proto ## ruff + mypy
-	$(VENV)/bin/ruff check engine server tests bench tools
-	$(VENV)/bin/ruff format --check engine server tests bench tools
+lint: gen-proto ## ruff + mypy, hadolint on the Dockerfile, docker-compose.yml against the compose spec
+	$(VENV)/bin/ruff check engine server tests bench tools integration_tests
+	$(VENV)/bin/ruff format --check engine server tests bench tools integration_tests
 	$(VENV)/bin/mypy engine server tools
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
 
 .PHONY: format
 format: install ## Apply ruff's formatting and fixes
-	$(VENV)/bin/ruff format engine server tests bench tools
-	$(VENV)/bin/ruff check --fix engine server tests bench tools
+	$(VENV)/bin/ruff format engine server tests bench tools integration_tests
+	$(VENV)/bin/ruff check --fix engine server tests bench tools integration_tests
 
 .PHONY: test
 test: models lint gen-proto ## Install, prepare models, lint, run all tests
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests integration_tests/text_generation_tests
 
 .PHONY: run
 run: models gen-proto ## Serve the default model: gRPC on 8033, HTTP /health and /metrics on 3000
 	$(PY) -m server.main
+
+.PHONY: image
+image: ## docker build the CUDA image specserve:latest (the Dockerfile's default target)
+	docker build -t specserve:latest .
+
+.PHONY: image-cpu
+image-cpu: ## docker build the CPU image specserve:cpu (the default model baked in)
+	docker build --target cpu -t specserve:cpu .
 
 .PHONY: bench
 bench: models ## Decode tokens/s of this engine vs transformers (batch 1 and 16), and the matmul floor
@@ -58,6 +68,14 @@ bench: models ## Decode tokens/s of this engine vs transformers (batch 1 and 16)
 .PHONY: bench-kernels
 bench-kernels: install ## Time every linear-layer kernel for the default model's shapes
 	$(PY) -m bench.bench_kernels
+
+.PHONY: bench-verify
+bench-verify: models ## Cost of verifying a [5,3,2]x5 draft tree at batch 1 vs the bare matmuls and a plain step
+	$(PY) -m bench.bench_verify
+
+.PHONY: bench-serving
+bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/32 (SmolLM2 fp32); SPECULATOR=PATH
+	$(PY) -m bench.bench_serving $(if $(SPECULATOR),--speculator $(SPECULATOR))
 
 .PHONY: clean
 clean: ## Remove the virtual environment and caches (not $SPECSERVE_HOME)

@@ -90,7 +90,13 @@ class ServerConfig:
         default=1024,
         metadata=_meta("Server max of a request's max_new_tokens (clamped to seq len - 1)."),
     )
-    max_batch_size: int = field(default=12, metadata=_meta("Most requests in the running batch."))
+    max_batch_size: int = field(
+        default=32,
+        metadata=_meta(
+            "Most requests in the running batch (TGIS's default is 12; 32 measured better "
+            "on CPU, see bench/bench_serving.py)."
+        ),
+    )
     max_batched_tokens: int = field(
         default=2048,
         metadata=_meta("Token budget of one engine step; longer prompts prefill in chunks."),
@@ -133,6 +139,73 @@ class ServerConfig:
             env=("SHUTDOWN_GRACE_SECONDS",),
         ),
     )
+    flash_attention: bool = field(
+        default=False,
+        metadata=_meta(
+            "TGIS switch (true/false), accepted and validated: attention always runs on the "
+            "paged KV cache, with flash-attn's kernel on CUDA when it is installed."
+        ),
+    )
+    paged_attention: bool = field(
+        default=False,
+        metadata=_meta(
+            "TGIS switch (true/false), accepted and validated: attention is always paged here."
+        ),
+    )
+    tls_cert_path: str | None = field(
+        default=None,
+        metadata=_meta("PEM certificate (chain) of the gRPC server; enables TLS with the key."),
+    )
+    tls_key_path: str | None = field(
+        default=None, metadata=_meta("PEM private key of tls_cert_path.")
+    )
+    tls_client_ca_cert_path: str | None = field(
+        default=None,
+        metadata=_meta(
+            "PEM CA bundle: gRPC clients must present a certificate signed by it (mTLS); "
+            "requires the cert and key."
+        ),
+    )
+    speculator_path: str | None = field(
+        default=None,
+        metadata=_meta(
+            "MLP speculator: an HF folder (config.json with model_type mlp_speculator) or a "
+            "torch checkpoint file holding its state dict (or {'model_state': ...}).",
+            env=("SPECULATOR_PATH", "SPECULATOR_NAME"),
+        ),
+    )
+    speculator_n_predict: int | None = field(
+        default=None,
+        metadata=_meta(
+            "Heads of a speculator checkpoint file without config (default: heads stored)."
+        ),
+    )
+    speculator_n_candidates: int | None = field(
+        default=None,
+        metadata=_meta(
+            "Candidate paths verified per request and step (default: the speculator config's).",
+            env=("SPECULATOR_N_CANDIDATES", "SPECULATOR_NUM_CANDIDATES"),
+        ),
+    )
+    speculator_top_k_tokens_per_head: str | None = field(
+        default=None,
+        metadata=_meta(
+            "Comma list of tokens taken per head for the candidate tree, one per head "
+            "(default: the speculator config's).",
+            env=("SPECULATOR_TOP_K_TOKENS_PER_HEAD", "SPECULATOR_THRESHES"),
+        ),
+    )
+    speculator_max_batch_size: int = field(
+        default=16,
+        metadata=_meta("Speculate only while at most this many requests run."),
+    )
+    speculator_adaptive: bool = field(
+        default=True,
+        metadata=_meta(
+            "Choose per step, from measured step times and acceptance, how many candidates "
+            "pay (possibly none); false: always verify the whole tree (true/false)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -162,6 +235,40 @@ class ServerConfig:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        for name in ("speculator_n_predict", "speculator_n_candidates"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculator_max_batch_size < 0:
+            raise ValueError(
+                f"speculator_max_batch_size must be >= 0, got {self.speculator_max_batch_size}"
+            )
+        self.speculator_top_k()
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            raise ValueError("tls: must provide both cert and key")
+        if self.tls_client_ca_cert_path is not None and self.tls_cert_path is None:
+            raise ValueError("tls: cannot provide client ca cert without keypair")
+
+    def speculator_top_k(self) -> tuple[int, ...] | None:
+        """`speculator_top_k_tokens_per_head` parsed; ValueError when it is not a list of
+        positive integers."""
+        raw = self.speculator_top_k_tokens_per_head
+        if raw is None or not raw.strip():
+            return None
+        try:
+            values = tuple(int(v) for v in raw.replace(" ", "").split(","))
+        except ValueError:
+            values = ()
+        if not values or min(values) < 1:
+            raise ValueError(
+                f"speculator_top_k_tokens_per_head must be a comma list of positive integers, "
+                f"got {raw!r}"
+            )
+        return values
+
+    @property
+    def tls_enabled(self) -> bool:
+        """True when the gRPC port serves TLS (cert and key are set)."""
+        return self.tls_cert_path is not None
 
     @property
     def model_path(self) -> Path:

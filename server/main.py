@@ -2,8 +2,10 @@
 
 Startup order (TGIS's): load the model, check it answers (a one-token generation), start gRPC
 and log ``gRPC server started on port N``, then HTTP and ``HTTP server started on port M``.
-SIGTERM/SIGINT: stop accepting RPCs, give in-flight ones `shutdown_grace_s` to finish, cancel
-the rest, stop the engine and exit 0.
+The gRPC port serves TLS (or mTLS) when configured, the standard `grpc.health.v1.Health`
+service (SERVING once the model answered, NOT_SERVING from the start of a shutdown) and server
+reflection. SIGTERM/SIGINT: stop accepting RPCs, give in-flight ones `shutdown_grace_s` to finish,
+cancel the rest, stop the engine and exit 0.
 """
 
 from __future__ import annotations
@@ -17,22 +19,31 @@ from collections.abc import Sequence
 
 import grpc
 import prometheus_client
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
 from transformers import AutoTokenizer
 
 from engine.config import ServerConfig
 from engine.engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.scheduler import SchedulerConfig
-from server.grpc_server import EngineWorker, GenerationServicer
+from engine.speculator.policy import SpeculationPolicy
+from engine.speculator.proposer import MLPProposer
+from server.engine_worker import EngineWorker
+from server.grpc_server import GenerationServicer
 from server.http_server import HttpServer
 from server.metrics import ServerMetrics
-from server.pb import generation_pb2_grpc
+from server.pb import generation_pb2, generation_pb2_grpc
+from server.tls import server_credentials
 from server.validation import Limits
 
 logger = logging.getLogger("specserve")
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _HEALTH_PROBE_TIMEOUT_S = 60.0
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
 def _num_kv_blocks(config: ServerConfig, block_size: int) -> int:
@@ -47,10 +58,37 @@ def _num_kv_blocks(config: ServerConfig, block_size: int) -> int:
     return max(2, config.kv_cache_memory_mb * 2**20 // (block_bytes * _DTYPE_BYTES[dtype]))
 
 
+def _load_proposer(config: ServerConfig, runner: ModelRunner) -> MLPProposer | None:
+    """The speculator at SPECULATOR_PATH as a proposer with the configured tree, or None."""
+    if config.speculator_path is None:
+        return None
+    from engine.speculator.loader import load_speculator
+
+    speculator = load_speculator(
+        config.speculator_path,
+        hidden_size=runner.config.hidden_size,
+        vocab_size=runner.config.vocab_size,
+        dtype=runner.dtype,
+        device=runner.device,
+        n_predict=config.speculator_n_predict,
+    )
+    proposer = MLPProposer(speculator, config.speculator_top_k(), config.speculator_n_candidates)
+    logger.info(
+        "speculator %s: %d heads, top-k per head %s, %d candidates, up to batch size %d",
+        config.speculator_path,
+        speculator.config.n_predict,
+        list(proposer.top_k_tokens_per_head),
+        proposer.n_candidates,
+        config.speculator_max_batch_size,
+    )
+    return proposer
+
+
 async def serve(config: ServerConfig) -> None:
     """Run the server until SIGTERM or SIGINT."""
     from engine.attention import select_backend
 
+    credentials = server_credentials(config)
     max_seq_len = config.resolved_max_sequence_length()
     max_new_tokens = config.effective_max_new_tokens(max_seq_len)
     if max_new_tokens < config.max_new_tokens:
@@ -60,6 +98,20 @@ async def serve(config: ServerConfig) -> None:
             max_new_tokens,
         )
     backend = select_backend(config.device)
+    logger.info(
+        "attention: %s on a paged KV cache of %d-token blocks (always paged; FLASH_ATTENTION=%s, "
+        "PAGED_ATTENTION=%s)",
+        backend.name,
+        backend.block_size,
+        str(config.flash_attention).lower(),
+        str(config.paged_attention).lower(),
+    )
+    if config.flash_attention and backend.name != "flash-attn":
+        logger.warning(
+            "FLASH_ATTENTION=true but flash-attn is not usable on device %s: using %s",
+            config.device,
+            backend.name,
+        )
     num_blocks = _num_kv_blocks(config, backend.block_size)
     if num_blocks * backend.block_size < max_seq_len:
         raise ValueError(
@@ -83,7 +135,18 @@ async def serve(config: ServerConfig) -> None:
         max_num_batched_tokens=config.max_batched_tokens,
         max_model_len=max_seq_len,
     )
-    engine = LLMEngine(runner, scheduler_config, frozenset(eos_ids))
+    proposer = _load_proposer(config, runner)
+    policy = None
+    if proposer is not None and config.speculator_adaptive:
+        policy = SpeculationPolicy(proposer.num_candidates)
+    engine = LLMEngine(
+        runner,
+        scheduler_config,
+        frozenset(eos_ids),
+        proposer,
+        config.speculator_max_batch_size,
+        policy,
+    )
     metrics = ServerMetrics(max_seq_len, max_new_tokens, config.max_batch_size)
     metrics.kv_cache_blocks_total.set(num_blocks)
     metrics.kv_cache_blocks_used.set(0)
@@ -108,7 +171,22 @@ async def serve(config: ServerConfig) -> None:
     )
     server = grpc.aio.server()
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
-    grpc_port = server.add_insecure_port(f"0.0.0.0:{config.grpc_port}")
+    health_servicer = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for service in ("", GENERATION_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+    )
+    address = f"0.0.0.0:{config.grpc_port}"
+    if credentials is None:
+        grpc_port = server.add_insecure_port(address)
+    else:
+        grpc_port = server.add_secure_port(address, credentials)
+        logger.info(
+            "gRPC TLS enabled%s",
+            ": client certificates required (mTLS)" if config.tls_client_ca_cert_path else "",
+        )
     await server.start()
     logger.info("gRPC server started on port %d", grpc_port)
     http = HttpServer("0.0.0.0", config.port, health, metrics)
@@ -120,6 +198,7 @@ async def serve(config: ServerConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logger.info("shutting down: up to %.1f s for in-flight requests", config.shutdown_grace_s)
+    await health_servicer.enter_graceful_shutdown()
     await server.stop(config.shutdown_grace_s)
     http.stop()
     worker.stop(timeout=10.0)

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Summary,
+    generate_latest,
+)
 from prometheus_client.core import Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
@@ -71,6 +78,34 @@ class ServerMetrics:
         self.batch_inference_failure = Counter(
             "tgi_batch_inference_failure", "Failed model calls", ["method", "reason"], registry=r
         )
+        self.batch_concatenation_count = Counter(
+            "tgi_batch_concatenation_count",
+            "Steps in which new requests joined a running batch",
+            registry=r,
+        )
+        self.queue_jump = Counter(
+            "tgi_queue_jump", "Queue jumps (always 0: admission is FCFS)", registry=r
+        )
+        self.granular_batch_addition = Counter(
+            "tgi_granular_batch_addition",
+            "Fine-grained weight admissions (always 0: admission counts KV blocks)",
+            registry=r,
+        )
+        self.prefill_weight_limit_exceeded = Counter(
+            "tgi_prefill_weight_limit_exceeded",
+            "Prefill weight limit hits (always 0: admission counts KV blocks)",
+            registry=r,
+        )
+        self.prefill_padding_limit_exceeded = Counter(
+            "tgi_prefill_padding_limit_exceeded",
+            "Prefill padding limit hits (always 0: batches are unpadded)",
+            registry=r,
+        )
+        self.prompt_load_failure = Counter(
+            "tgi_prompt_load_failure",
+            "Failed prompt-prefix loads (always 0: prefixes are not supported)",
+            registry=r,
+        )
         counters = [
             self.request_count,
             self.request_input_count,
@@ -81,6 +116,12 @@ class ServerMetrics:
             self.batch_inference_count,
             self.batch_inference_success,
             self.batch_inference_failure,
+            self.batch_concatenation_count,
+            self.queue_jump,
+            self.granular_batch_addition,
+            self.prefill_weight_limit_exceeded,
+            self.prefill_padding_limit_exceeded,
+            self.prompt_load_failure,
         ]
         r.register(_PlainCounterNames(counters))
 
@@ -88,6 +129,9 @@ class ServerMetrics:
         new_buckets = _linear_buckets(max_new_tokens)
         self.request_input_length = Histogram(
             "tgi_request_input_length", "Input tokens", buckets=seq_buckets, registry=r
+        )
+        self.request_raw_input_length = Summary(
+            "tgi_request_raw_input_length", "Input tokens before validation", registry=r
         )
         self.request_max_new_tokens = Histogram(
             "tgi_request_max_new_tokens",
@@ -113,9 +157,21 @@ class ServerMetrics:
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
+        self.request_queue_duration = Histogram(
+            "tgi_request_queue_duration",
+            "Time from arrival to the first engine step (s)",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.request_inference_duration = Histogram(
+            "tgi_request_inference_duration",
+            "Time from the first engine step to completion (s)",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
         self.request_mean_time_per_token_duration = Histogram(
             "tgi_request_mean_time_per_token_duration",
-            "Time per generated token (s)",
+            "Inference time per generated token (s)",
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
@@ -138,6 +194,25 @@ class ServerMetrics:
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
+        self.batch_inference_forward_duration = Histogram(
+            "tgi_batch_inference_forward_duration",
+            "Engine step time: schedule, forward pass, sampling (s)",
+            ["method", "makeup"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.batch_inference_tokproc_duration = Histogram(
+            "tgi_batch_inference_tokproc_duration",
+            "Time handing one step's tokens to the requests (s)",
+            ["method", "makeup"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.batch_next_tokens = Summary(
+            "tgi_batch_next_tokens",
+            "Prompt tokens of the requests that join the batch in a step",
+            registry=r,
+        )
         self.batch_inference_batch_size = Histogram(
             "tgi_batch_inference_batch_size",
             "Requests per model step",
@@ -146,13 +221,84 @@ class ServerMetrics:
             registry=r,
         )
         self.batch_current_size = Gauge("tgi_batch_current_size", "Running requests", registry=r)
+        self.batch_input_tokens = Gauge(
+            "tgi_batch_input_tokens", "Tokens (prompt + generated) of the running batch", registry=r
+        )
+        self.batch_max_remaining_tokens = Gauge(
+            "tgi_batch_max_remaining_tokens",
+            "Sum over the running batch of max_new_tokens minus generated tokens",
+            registry=r,
+        )
         self.queue_size = Gauge("tgi_queue_size", "Queued requests", registry=r)
+        self.prompt_load_duration = Histogram(
+            "tgi_prompt_load_duration",
+            "Prompt-prefix load time (s); never observed",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
         self.kv_cache_blocks_total = Gauge(
             "tgi_kv_cache_blocks_total", "KV cache blocks in the pool", registry=r
         )
         self.kv_cache_blocks_used = Gauge(
             "tgi_kv_cache_blocks_used", "KV cache blocks held by requests", registry=r
         )
+
+        self.spec_steps = Counter(
+            "tgi_spec_steps", "Request steps that verified a draft tree", registry=r
+        )
+        self.spec_proposed_tokens = Counter(
+            "tgi_spec_proposed_tokens",
+            "Draft tokens proposed: per verified tree, its longest path (the most it can add)",
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "tgi_spec_accepted_tokens",
+            "Draft tokens accepted (not counting the model's own token of each step)",
+            registry=r,
+        )
+        self.spec_tokens_per_step = Histogram(
+            "tgi_spec_tokens_per_step",
+            "Tokens a request gained in one speculative step (accepted drafts + 1)",
+            buckets=tuple(range(1, 17)),
+            registry=r,
+        )
+        self.spec_head_proposed = Counter(
+            "tgi_spec_head_proposed",
+            "Verified trees deep enough to reach this head position (0 = first draft)",
+            ["head"],
+            registry=r,
+        )
+        self.spec_head_accepted = Counter(
+            "tgi_spec_head_accepted",
+            "Verified trees whose accepted path reached this head position",
+            ["head"],
+            registry=r,
+        )
+        r.register(
+            _PlainCounterNames(
+                [
+                    self.spec_steps,
+                    self.spec_proposed_tokens,
+                    self.spec_accepted_tokens,
+                    self.spec_head_proposed,
+                    self.spec_head_accepted,
+                ]
+            )
+        )
+
+    def observe_speculation(self, draft_depth: int, num_accepted: int) -> None:
+        """Count one request's speculative step: a tree of longest path `draft_depth` of which
+        `num_accepted` drafts were accepted."""
+        if draft_depth <= 0:
+            return
+        self.spec_steps.inc()
+        self.spec_proposed_tokens.inc(draft_depth)
+        self.spec_accepted_tokens.inc(num_accepted)
+        self.spec_tokens_per_step.observe(num_accepted + 1)
+        for head in range(draft_depth):
+            self.spec_head_proposed.labels(str(head)).inc()
+            if head < num_accepted:
+                self.spec_head_accepted.labels(str(head)).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

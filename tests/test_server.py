@@ -31,7 +31,7 @@ from transformers import AutoTokenizer
 
 from engine.config import ServerConfig
 from engine.paths import model_path
-from server.grpc_server import IncrementalDetokenizer
+from server.detokenize import IncrementalDetokenizer
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from tests.reference import CHAT_PROMPTS, compare_greedy, hf_greedy, hf_model

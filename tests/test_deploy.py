@@ -1,0 +1,64 @@
+"""Deployment files stay in step with the server: README's env var table, the Dockerfile's TGIS
+defaults and the compose services. (hadolint and the compose-spec schema run in `make lint`.)"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import ServerConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _env_names() -> list[str]:
+    names = ["LOG_LEVEL", "SPECSERVE_HOME"]
+    for f in fields(ServerConfig):
+        names += f.metadata["env"] or (f.name.upper(),)
+    return names
+
+
+def test_readme_documents_every_env_var() -> None:
+    readme = (REPO / "README.md").read_text()
+    table_rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    documented = {name for row in table_rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row)}
+    assert not [n for n in _env_names() if n not in documented]
+
+
+def _stage(dockerfile: str, name: str) -> str:
+    match = re.search(rf"^FROM \S+ AS {name}\n(.*?)(?=^FROM |\Z)", dockerfile, re.M | re.S)
+    assert match, f"no stage {name}"
+    return match.group(1).replace("\\\n", " ")
+
+
+def test_dockerfile_targets_carry_tgis_defaults() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    last_from = re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M)[-1]
+    assert last_from == "cuda"
+    defaults = ServerConfig()
+    for name in ("cuda", "cpu"):
+        stage = _stage(dockerfile, name)
+        assert f"GRPC_PORT={defaults.grpc_port}" in stage and f"PORT={defaults.port}" in stage
+        assert "HF_HUB_OFFLINE=1" in stage
+        assert re.search(r"^EXPOSE 8033 3000$", stage, re.M)
+        assert re.search(r"^USER 2000$", stage, re.M)
+        assert re.search(r"^HEALTHCHECK .*/health", stage, re.M)
+        assert re.search(r'^CMD \["specserve"\]$', stage, re.M)
+    assert "python -m server.proto_gen" in dockerfile
+
+
+def test_compose_gpu_service_and_cpu_profile() -> None:
+    compose: dict[str, Any] = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    gpu, cpu = compose["services"]["specserve"], compose["services"]["specserve-cpu"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert any(v.endswith(":/models:ro") for v in gpu["volumes"])
+    assert gpu["environment"]["PAGED_ATTENTION"] == "true"
+    assert "profiles" not in gpu and cpu["profiles"] == ["cpu"]
+    assert cpu["build"]["target"] == "cpu"
+    for service in (gpu, cpu):
+        assert "/health" in " ".join(service["healthcheck"]["test"])

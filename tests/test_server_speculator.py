@@ -1,0 +1,135 @@
+"""The server with SPECULATOR_PATH: same outputs as transformers, one stream message per token,
+`tgi_spec_*` metrics, and a clear start-up refusal of a speculator that does not fit.
+
+The per-token rules inside accepted runs are tested at the engine (tests/test_spec_decoding.py),
+which the server runs unchanged; here the wiring is checked end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine.paths import model_path
+from server.pb import generation_pb2 as pb
+from server.pb import generation_pb2_grpc
+from tests.reference import CHAT_PROMPTS, compare_greedy, hf_greedy
+from tools.server_process import REPO, ServerProcess
+from tools.tiny_speculator import write_tiny_speculator
+
+MODEL = "tiny-llama-gqa-tied"
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    spec = write_tiny_speculator(
+        tmp_path_factory.mktemp("spec"), model_path(MODEL), n_predict=3, tie_weights=True
+    )
+    env = {
+        "SPECULATOR_PATH": str(spec),
+        "SPECULATOR_TOP_K_TOKENS_PER_HEAD": "4,2,2",
+        "SPECULATOR_N_CANDIDATES": "3",
+        "KV_CACHE_BLOCKS": "64",
+        "MAX_SEQUENCE_LENGTH": "256",
+    }
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    with ServerProcess(MODEL, env=env, log_path=log) as server:
+        yield server
+
+
+def _metrics(server: ServerProcess) -> str:
+    return urllib.request.urlopen(f"{server.http_url}/metrics", timeout=5).read().decode()
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def test_outputs_equal_transformers_and_streams_one_message_per_token(
+    spec_server: ServerProcess,
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path(MODEL)))
+    prompts = CHAT_PROMPTS[:4]
+    params = pb.Parameters(
+        stopping=pb.StoppingCriteria(max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW),
+        response=pb.ResponseOptions(generated_tokens=True, token_logprobs=True),
+    )
+    with grpc.insecure_channel(spec_server.grpc_target) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        response = stub.Generate(
+            pb.BatchedGenerationRequest(
+                requests=[pb.GenerationRequest(text=p) for p in prompts], params=params
+            ),
+            timeout=120,
+        )
+        stream = list(
+            stub.GenerateStream(
+                pb.SingleGenerationRequest(request=pb.GenerationRequest(text=prompts[0]),
+                                           params=params),
+                timeout=120,
+            )
+        )  # fmt: skip
+    for prompt, result in zip(prompts, response.responses, strict=True):
+        ids = tuple(tokenizer(prompt)["input_ids"])
+        assert len(result.tokens) == result.generated_token_count == MAX_NEW
+        ref = hf_greedy(model_path(MODEL), ids, MAX_NEW)
+        ours_ids = tokenizer.convert_tokens_to_ids([t.text for t in result.tokens])
+        compare_greedy(ours_ids, ref)
+        assert result.stop_reason == pb.StopReason.MAX_TOKENS
+    assert stream[0].input_token_count > 0 and not stream[0].tokens
+    token_messages = stream[1:]
+    assert [m.generated_token_count for m in token_messages] == list(range(1, MAX_NEW + 1))
+    assert all(len(m.tokens) == 1 for m in token_messages)
+    assert [m.tokens[0].text for m in token_messages] == [
+        t.text for t in response.responses[0].tokens
+    ]
+    text = _metrics(spec_server)
+    steps = _metric(text, "tgi_spec_steps_total")
+    assert steps > 0
+    assert _metric(text, "tgi_spec_proposed_tokens_total") >= steps
+    assert _metric(text, 'tgi_spec_head_proposed_total{head="0"}') == steps
+    assert _metric(text, "tgi_spec_tokens_per_step_count") == steps
+    assert _metric(text, "tgi_kv_cache_blocks_used") == 0
+
+
+def _start_fails(env: dict[str, str], tmp_path: Path) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.main"],
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "MODEL_NAME": MODEL,
+             "GRPC_PORT": "0", "PORT": "0", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    return proc.stdout + proc.stderr
+
+
+def test_mismatched_speculator_is_refused_at_startup(tmp_path: Path) -> None:
+    base = model_path(MODEL)
+    hidden = int(json.loads((base / "config.json").read_text())["hidden_size"])
+    wide = write_tiny_speculator(tmp_path / "wide", base, emb_dim=hidden + 16)
+    out = _start_fails({"SPECULATOR_PATH": str(wide)}, tmp_path)
+    assert f"speculator emb_dim {hidden + 16} does not match the base model's hidden_size " in out
+    small = write_tiny_speculator(tmp_path / "small", base, vocab_size=1000)
+    out = _start_fails({"SPECULATOR_NAME": str(small)}, tmp_path)
+    assert "speculator vocab_size 1000 does not match the base model's vocab_size 49152" in out
+    good = write_tiny_speculator(tmp_path / "good", base)
+    out = _start_fails({"SPECULATOR_PATH": str(good), "SPECULATOR_THRESHES": "5,3"}, tmp_path)
+    assert "top_k_tokens_per_head [5, 3] must have n_predict (3) entries" in out
+    out = _start_fails({"SPECULATOR_PATH": str(tmp_path / "missing")}, tmp_path)
+    assert f"{tmp_path / 'missing'}: speculator path does not exist" in out
