@@ -199,6 +199,13 @@ class ServerConfig:
         default=16,
         metadata=_meta("Speculate only while at most this many requests run."),
     )
+    prefix_caching: bool = field(
+        default=True,
+        metadata=_meta(
+            "Share the KV blocks of identical prompt prefixes (e.g. a system prompt) between "
+            "requests instead of recomputing them (true/false)."
+        ),
+    )
     speculator_adaptive: bool = field(
         default=True,
         metadata=_meta(

@@ -69,11 +69,13 @@ class LLMEngine:
         proposer: Proposer | None = None,
         spec_max_batch_size: int = 16,
         policy: SpeculationPolicy | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """Without a `policy` every speculating request verifies the proposer's whole tree;
-        with one, the policy picks per step how many candidates pay (possibly none)."""
+        with one, the policy picks per step how many candidates pay (possibly none). With
+        `enable_prefix_caching`, requests share the KV blocks of identical prompt prefixes."""
         self.runner = runner
-        self.kv = KVCacheManager(runner.num_blocks, runner.block_size)
+        self.kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self.eos_token_ids = eos_token_ids
         self.proposer = proposer

@@ -16,12 +16,21 @@ in a shared block. `fork` keeps it by copying a partial tail instead of sharing 
     Next write of the parent goes to b9 offset 5, of the child to b12 offset 5: no aliasing.
 
 `truncate` refuses to cut into a shared block (it would make it partial), see its docstring.
+
+Prefix caching (optional): a full block of prompt tokens, once computed, is registered under a
+SHA-256 digest chained over every token before it (so equal digests mean equal prefixes, and a
+crafted prompt cannot collide into another user's blocks). A new sequence whose prompt starts
+with registered blocks takes them (`allocate_cached_prefix`) instead of recomputing them. A
+registered block stays registered while free, until the free queue hands it out again (least
+recently freed first), so free + used == total still holds and cached blocks cost nothing.
+Only blocks the caller declares computed are registered; drafts never are.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 SeqId = Hashable
 
@@ -72,6 +81,12 @@ class BlockPool:
             self._ref_cnt[b] = 1
         return blocks
 
+    def take(self, block_id: int) -> None:
+        """Reference `block_id`: +1 if used, else pulled out of the free queue with ref_cnt 1."""
+        if self._ref_cnt[block_id] == 0:
+            del self._free_queue[block_id]
+        self._ref_cnt[block_id] += 1
+
     def incref(self, blocks: Iterable[int]) -> None:
         """Add one reference to each (already referenced) block."""
         for b in blocks:
@@ -99,13 +114,21 @@ class KVCacheManager:
     Sharing happens only through `fork`; see the module docstring for the copy-on-write rule.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.pool = BlockPool(num_blocks)
         self._block_size = block_size
         self._tables: dict[SeqId, list[int]] = {}
         self._num_tokens: dict[SeqId, int] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self._digest_block: dict[bytes, int] = {}  # registered prefix digest -> block
+        self._block_digest: dict[int, bytes] = {}
+        self._num_hashed: dict[SeqId, tuple[int, bytes]] = {}  # blocks registered, last digest
+        self.num_prefix_hit_tokens = 0
+        """Prompt tokens taken from the prefix cache instead of computed, since start."""
 
     @property
     def block_size(self) -> int:
@@ -162,7 +185,7 @@ class KVCacheManager:
             return False
         table = self._tables.setdefault(seq_id, [])
         if n_new:
-            table.extend(self.pool.allocate(n_new))
+            table.extend(self._allocate_blocks(n_new))
         self._num_tokens[seq_id] = max(self._num_tokens.get(seq_id, 0), num_tokens)
         return True
 
@@ -204,7 +227,7 @@ class KVCacheManager:
         table = parent[:n_full]
         copies: list[tuple[int, int]] = []
         if partial:
-            (dst,) = self.pool.allocate(1)  # raises before anything is changed
+            (dst,) = self._allocate_blocks(1)  # raises before anything is changed
             copies.append((parent[n_full], dst))
         self.pool.incref(table)
         if partial:
@@ -243,6 +266,64 @@ class KVCacheManager:
         table = self._table(seq_id)
         self.pool.release(reversed(table))
         del self._tables[seq_id], self._num_tokens[seq_id]
+        self._num_hashed.pop(seq_id, None)
+
+    def _allocate_blocks(self, n: int) -> list[int]:
+        blocks = self.pool.allocate(n)
+        for b in blocks:  # reused: whatever prefix it held is gone
+            digest = self._block_digest.pop(b, None)
+            if digest is not None:
+                del self._digest_block[digest]
+        return blocks
+
+    def _digest(self, parent: bytes, token_ids: Sequence[int]) -> bytes:
+        h = hashlib.sha256(parent)
+        h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
+        return h.digest()
+
+    def allocate_cached_prefix(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+        """Register the new sequence `seq_id` holding the longest registered prefix of
+        `token_ids` in whole blocks, leaving at least one token of `token_ids` uncached (the
+        model must compute it to sample the next). Returns the number of tokens it holds (0,
+        and nothing registered, without a hit or with prefix caching off)."""
+        if seq_id in self._tables:
+            raise KVCacheError(f"sequence {seq_id!r} already exists")
+        if not self.enable_prefix_caching:
+            return 0
+        bs, digest = self._block_size, b""
+        blocks: list[int] = []
+        for i in range((len(token_ids) - 1) // bs):
+            digest = self._digest(digest, token_ids[i * bs : (i + 1) * bs])
+            block = self._digest_block.get(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        if not blocks:
+            return 0
+        for b in blocks:
+            self.pool.take(b)
+        self._tables[seq_id] = blocks
+        self._num_tokens[seq_id] = len(blocks) * bs
+        self._num_hashed[seq_id] = (len(blocks), self._block_digest[blocks[-1]])
+        self.num_prefix_hit_tokens += len(blocks) * bs
+        return len(blocks) * bs
+
+    def cache_computed_blocks(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
+        """Register the full blocks of `seq_id` that hold `token_ids` (its first tokens, whose
+        K/V are computed) for later sequences to share. A no-op with prefix caching off."""
+        if not self.enable_prefix_caching:
+            return
+        table, bs = self._table(seq_id), self._block_size
+        done, digest = self._num_hashed.get(seq_id, (0, b""))
+        n_full = min(len(token_ids) // bs, len(table))
+        for i in range(done, n_full):
+            digest = self._digest(digest, token_ids[i * bs : (i + 1) * bs])
+            block = table[i]
+            if digest not in self._digest_block and block not in self._block_digest:
+                self._digest_block[digest] = block
+                self._block_digest[block] = digest
+        if n_full > done:
+            self._num_hashed[seq_id] = (n_full, digest)
 
     def check_integrity(self) -> None:
         """Raise KVCacheError unless: every block is either free (ref_cnt 0, in the free queue
@@ -280,3 +361,7 @@ class KVCacheManager:
             for b in table[n_full:]:
                 if expected[b] > 1:
                     raise KVCacheError(f"{seq_id!r}: shared block {b} is not full")
+                if b in self._block_digest:
+                    raise KVCacheError(f"{seq_id!r}: cached block {b} is not full")
+        if {b: d for d, b in self._digest_block.items()} != self._block_digest:
+            raise KVCacheError("prefix cache digest maps disagree")

@@ -47,13 +47,15 @@ class LLM:
         n_candidates: int | None = None,
         spec_max_batch_size: int = 16,
         adaptive_speculation: bool = True,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """`max_num_tokens` sizes the KV pool (prompt + generated tokens over all sequences) and
         the per-step token budget; `max_num_seqs` bounds the running batch. `speculator` (an
         MLP speculator's path, or any Proposer) turns on speculative decoding for greedy
         requests while at most `spec_max_batch_size` run; `top_k_tokens_per_head` and
         `n_candidates` override the speculator config's tree shape. With
-        `adaptive_speculation`, a SpeculationPolicy picks per step how many candidates pay."""
+        `adaptive_speculation`, a SpeculationPolicy picks per step how many candidates pay.
+        `enable_prefix_caching` shares the KV blocks of identical prompt prefixes."""
         path = Path(model_path) if model_path is not None else default_model_path()
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
         probe_block = block_size or (256 if device.startswith("cuda") else 16)
@@ -88,7 +90,13 @@ class LLM:
         if proposer is not None and adaptive_speculation:
             policy = SpeculationPolicy(proposer.num_candidates)
         self.engine = LLMEngine(
-            self.runner, config, frozenset(eos_token_ids), proposer, spec_max_batch_size, policy
+            self.runner,
+            config,
+            frozenset(eos_token_ids),
+            proposer,
+            spec_max_batch_size,
+            policy,
+            enable_prefix_caching,
         )
         self._counter = itertools.count()
         self.kv = self.engine.kv

@@ -165,7 +165,9 @@ class Scheduler:
         """Drop aborted and expired (`deadline <= now`) requests, then give each running request
         and then each waiting one (FCFS, while `max_num_seqs` allows and its blocks fit)
         `min(num_tokens_with_spec - num_computed_tokens, budget)` tokens. Waiting requests are
-        not admitted in a step that preempted."""
+        not admitted in a step that preempted; an admitted one starts after the longest prefix
+        of its prompt in the KV manager's prefix cache (when enabled and its prompt logprobs are
+        not wanted)."""
         finished, self._finished = self._finished, []
         for request_id in list(self._abort_ids):
             finished.append(self._finish(self.requests[request_id], RequestStatus.FINISHED_ABORTED))
@@ -206,8 +208,15 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if not req.sampling_params.prompt_logprobs:  # those need every prompt position
+                req.num_computed_tokens = self.kv.allocate_cached_prefix(
+                    req.request_id, req.prompt_token_ids
+                )
             num_new = self._num_new_tokens(req, budget)
-            if not self.kv.allocate_slots(req.request_id, num_new):
+            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+                if self.kv.has(req.request_id):
+                    self.kv.free(req.request_id)
+                req.num_computed_tokens = 0
                 break  # FCFS: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -247,7 +256,12 @@ class Scheduler:
             request_id = req.request_id
             if req.status != RequestStatus.RUNNING or request_id in self._abort_ids:
                 continue  # finished or aborted while the step was in flight
+            computed_prompt = req.num_computed_tokens < req.num_prompt_tokens
             req.num_computed_tokens += scheduler_output.num_scheduled_tokens[request_id]
+            if computed_prompt:  # this step computed prompt tokens: share their full blocks
+                self.kv.cache_computed_blocks(
+                    request_id, req.prompt_token_ids[: req.num_computed_tokens]
+                )
             sampled = sampled_token_ids.get(request_id, ())
             if req.num_computed_tokens < req.num_tokens:  # a prefill chunk: nothing to sample
                 if sampled:
@@ -271,14 +285,15 @@ class Scheduler:
         """Raise KVCacheError/SchedulerError unless the KV manager is consistent, waiting and
         running partition the live requests, every running request holds blocks covering its
         `num_computed_tokens < num_tokens`, and no block is held by anyone else (no leak: this
-        assumes the scheduler is the KV manager's only user, with no forks)."""
+        assumes the scheduler is the KV manager's only user; running requests share blocks only
+        through the prefix cache)."""
         self.kv.check_integrity()
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
         if len(set(ids)) != len(ids) or set(ids) != self.requests.keys():
             raise SchedulerError("waiting + running do not partition the live requests")
         if len(self.running) > self.config.max_num_seqs:
             raise SchedulerError(f"{len(self.running)} running > max_num_seqs")
-        num_blocks = 0
+        blocks: set[int] = set()
         for r in self.running:
             rid = r.request_id
             if r.status != RequestStatus.RUNNING or not self.kv.has(rid):
@@ -289,14 +304,14 @@ class Scheduler:
                 raise SchedulerError(f"running {rid!r}: blocks do not cover computed tokens")
             if not r.num_computed_tokens < r.num_tokens:
                 raise SchedulerError(f"running {rid!r}: {r.num_computed_tokens} computed tokens")
-            num_blocks += len(self.kv.block_table(rid))
+            blocks.update(self.kv.block_table(rid))
         for r in self.waiting:
             if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 raise SchedulerError(f"waiting {r.request_id!r} has status {r.status!r}")
             if self.kv.has(r.request_id) or r.num_computed_tokens:
                 raise SchedulerError(f"waiting {r.request_id!r} holds blocks or computed tokens")
-        if num_blocks != self.kv.num_used_blocks:
-            raise SchedulerError(f"{self.kv.num_used_blocks} used blocks, {num_blocks} running")
+        if len(blocks) != self.kv.num_used_blocks:
+            raise SchedulerError(f"{self.kv.num_used_blocks} used blocks, {len(blocks)} running")
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         # Drafts are tree nodes in consecutive slots (their depth, which bounds the tokens they

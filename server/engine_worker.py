@@ -73,6 +73,7 @@ class EngineWorker:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._queued: dict[str, Submission] = {}  # added, never scheduled yet
+        self._prefix_hit_tokens = 0  # the KV manager's count when last exported
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -204,6 +205,9 @@ class EngineWorker:
         )
         m.queue_size.set(scheduler.num_waiting)
         m.kv_cache_blocks_used.set(self.engine.kv.num_used_blocks)
+        hits = self.engine.kv.num_prefix_hit_tokens
+        m.prefix_cache_hit_tokens.inc(hits - self._prefix_hit_tokens)
+        self._prefix_hit_tokens = hits
         for out in outputs:
             m.observe_speculation(out.draft_depth, out.num_accepted_tokens)
 

@@ -146,6 +146,7 @@ async def serve(config: ServerConfig) -> None:
         proposer,
         config.speculator_max_batch_size,
         policy,
+        config.prefix_caching,
     )
     metrics = ServerMetrics(max_seq_len, max_new_tokens, config.max_batch_size)
     metrics.kv_cache_blocks_total.set(num_blocks)

@@ -242,6 +242,11 @@ class ServerMetrics:
         self.kv_cache_blocks_used = Gauge(
             "tgi_kv_cache_blocks_used", "KV cache blocks held by requests", registry=r
         )
+        self.prefix_cache_hit_tokens = Counter(
+            "tgi_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV blocks came from the prefix cache instead of being computed",
+            registry=r,
+        )
 
         self.spec_steps = Counter(
             "tgi_spec_steps", "Request steps that verified a draft tree", registry=r

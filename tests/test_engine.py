@@ -46,6 +46,24 @@ def test_engine_matches_transformers(
         compare_greedy(tokens, hf_greedy(tiny_path, tuple(prompt), MAX_NEW))
 
 
+def test_prefix_cache_hits_change_no_token(tiny_path: Path) -> None:
+    """Prompts sharing the chat template's system prompt, then the same prompts again (whole
+    prompts cached but their last token): every request starts after a cached prefix."""
+    runner = ModelRunner(tiny_path, num_blocks=64, dtype="float32", block_size=16)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=2048)
+    engine = LLMEngine(runner, config, frozenset(runner.config.eos_token_ids))
+    prompts = [list(p) for p in chat_prompt_ids(tiny_path)[:6]]
+    first = run_all(engine, prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    hits = engine.kv.num_prefix_hit_tokens
+    again = run_all(engine, prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    assert hits > 0
+    assert engine.kv.num_prefix_hit_tokens - hits >= sum((len(p) - 1) // 16 * 16 for p in prompts)
+    for prompt, a, b in zip(prompts, first, again, strict=True):
+        reference = hf_greedy(tiny_path, tuple(prompt), MAX_NEW)
+        compare_greedy(a, reference)
+        compare_greedy(b, reference)
+
+
 def test_min_new_tokens_suppresses_eos(tiny_path: Path) -> None:
     runner = ModelRunner(tiny_path, num_blocks=64, dtype="float32")
     first = hf_greedy(tiny_path, tuple(chat_prompt_ids(tiny_path)[0]), 1).token_ids[0]

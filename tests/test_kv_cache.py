@@ -381,3 +381,41 @@ def test_misuse_raises() -> None:
     with pytest.raises(ValueError):
         KVCacheManager(4, 0)
     assert (mgr.num_blocks, mgr.block_size, mgr.num_used_blocks) == (4, 16, 0)
+
+
+def test_prefix_cache_shares_whole_computed_blocks_until_they_are_reused() -> None:
+    mgr = KVCacheManager(8, 4, enable_prefix_caching=True)
+    prompt = list(range(10, 20))  # 10 tokens: blocks [10..13], [14..17], partial [18, 19]
+    assert mgr.allocate_cached_prefix("a", prompt) == 0 and not mgr.has("a")
+    assert mgr.allocate_slots("a", 10)
+    mgr.cache_computed_blocks("a", prompt[:6])  # a chunk: only the first block is complete
+    mgr.cache_computed_blocks("a", prompt)
+    a_table = mgr.block_table("a")
+
+    # the same prompt shares both full blocks; the partial one is never shared
+    assert mgr.allocate_cached_prefix("b", prompt) == 8
+    assert mgr.block_table("b") == a_table[:2] and mgr.pool.ref_cnt(a_table[0]) == 2
+    # at least one token stays to compute: an 8-token prompt reuses one block, not two
+    assert mgr.allocate_cached_prefix("c", prompt[:8]) == 4
+    # the digest covers the whole prefix: the same second block after another first misses
+    assert mgr.allocate_cached_prefix("d", [99, 98, 97, 96, *prompt[4:]]) == 0
+    mgr.check_integrity()
+
+    for seq in ("a", "b", "c"):
+        mgr.free(seq)
+    assert mgr.num_used_blocks == 0
+    assert mgr.allocate_cached_prefix("e", prompt) == 8  # kept while free
+    assert mgr.block_table("e") == a_table[:2] and mgr.num_used_blocks == 2
+    mgr.free("e")
+    assert mgr.allocate_slots("f", 8 * 4)  # every block handed out again: the cache is gone
+    mgr.free("f")
+    assert mgr.allocate_cached_prefix("g", prompt) == 0
+    assert mgr.num_prefix_hit_tokens == 8 + 4 + 8
+    mgr.check_integrity()
+
+
+def test_prefix_cache_off_registers_nothing() -> None:
+    mgr = KVCacheManager(8, 4)
+    assert mgr.allocate_slots("a", 9)
+    mgr.cache_computed_blocks("a", list(range(9)))
+    assert mgr.allocate_cached_prefix("b", list(range(9))) == 0 and not mgr.has("b")

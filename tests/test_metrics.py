@@ -233,3 +233,30 @@ def test_gauges_while_a_request_runs(server: ServerProcess) -> None:
     assert prompt_len < tokens <= prompt_len + 200
     assert abs(tokens - prompt_len + remaining - 200) <= 1
     assert messages[-1].generated_token_count == 200
+
+
+def test_prefix_cache_hits_are_counted(server: ServerProcess) -> None:
+    """The same prompt twice, one after the other: the second takes every whole block of its
+    prompt but the last token from the prefix cache, and generates the same tokens."""
+    text = " ".join(CHAT_PROMPTS[:8])
+    num_tokens = len(AutoTokenizer.from_pretrained(str(model_path(MODEL)))(text)["input_ids"])
+    request = json_format.ParseDict(
+        {
+            "requests": [{"text": text}],
+            "params": {
+                "stopping": {"max_new_tokens": 8},
+                "response": {"generated_tokens": True},
+            },
+        },
+        pb.BatchedGenerationRequest(),
+    )
+    outputs = []
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        for _ in range(2):
+            before = samples(server)
+            outputs.append([t.text for t in stub.Generate(request).responses[0].tokens])
+            hits = samples(server)["tgi_prefix_cache_hit_tokens_total"]
+    assert num_tokens > 32
+    assert hits - before["tgi_prefix_cache_hit_tokens_total"] == (num_tokens - 1) // 16 * 16
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8

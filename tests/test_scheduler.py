@@ -29,9 +29,10 @@ def create_scheduler(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 64,
     max_model_len: int = 512,
+    prefix_caching: bool = False,
 ) -> Scheduler:
     config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
 
 
 def create_requests(
@@ -406,9 +407,21 @@ def test_prompt_larger_than_pool_is_rejected() -> None:
     assert list(fits.output_token_ids) == reference(fits, max_model_len=16)
 
 
-def test_randomized_soak() -> None:
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["plain", "prefix-caching"])
+def test_randomized_soak(prefix_caching: bool) -> None:
+    """Random arrivals, lengths, stops, deadlines, aborts, drafts and preemptions; with prefix
+    caching, most prompts start with one of three shared prefixes, so blocks are shared, kept
+    while free and evicted. Every output equals the unbatched reference."""
     rng = random.Random(1234)
-    sched = create_scheduler(num_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=24)
+    sched = create_scheduler(
+        num_blocks=40,
+        block_size=4,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        prefix_caching=prefix_caching,
+    )
+    prefix_rng = random.Random(99)  # apart from `rng`: the plain run's draws stay as they were
+    shared = [[prefix_rng.randrange(1, VOCAB) for _ in range(40)] for _ in range(3)]
     model = FakeModel(sched.kv)
     live: dict[str, Request] = {}
     done: list[Request] = []
@@ -419,9 +432,13 @@ def test_randomized_soak() -> None:
         now = t * 0.01
         if t < steps and rng.random() < 0.3:
             n_prompt = 170 if rng.random() < 0.01 else rng.randint(1, 60)  # pool: 160 tokens
+            prompt = [rng.randrange(1, VOCAB) for _ in range(n_prompt)]
+            if prefix_caching and n_prompt < 170 and prefix_rng.random() < 0.7:
+                prefix = prefix_rng.choice(shared)[: prefix_rng.randint(1, 40)]
+                prompt = prefix + prompt[: prefix_rng.randint(1, 20)]
             req = Request(
                 request_id=str(next_id),
-                prompt_token_ids=[rng.randrange(1, VOCAB) for _ in range(n_prompt)],
+                prompt_token_ids=prompt,
                 sampling_params=SamplingParams(
                     max_new_tokens=rng.randint(1, 40),
                     min_new_tokens=rng.randint(0, 3),
@@ -459,14 +476,16 @@ def test_randomized_soak() -> None:
             break
     assert not live and sched.kv.num_used_blocks == 0 and sched.kv.num_free_blocks == 40
     assert counts["preempted"] > 0 and 0 < counts["accepted"] < counts["drafts"]
+    assert (sched.kv.num_prefix_hit_tokens > 0) == prefix_caching
     statuses = {r.status for r in done}
     assert statuses >= {
         RequestStatus.FINISHED_STOPPED,
         RequestStatus.FINISHED_LENGTH,
-        RequestStatus.FINISHED_TIME_LIMIT,
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_IGNORED,
     }
+    if not prefix_caching:  # cached prefixes finish requests before this seed's deadlines
+        assert RequestStatus.FINISHED_TIME_LIMIT in statuses
     for r in done:
         ref = reference(r, max_model_len=sched.max_model_len)
         if r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
