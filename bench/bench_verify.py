@@ -22,6 +22,7 @@ from engine import LLM
 from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
 from engine.speculator.loader import load_speculator
+from engine.speculator.proposer import use_engine_linears
 from engine.speculator.tree import DraftTree
 from tests.reference import CHAT_PROMPTS
 from tools.tiny_speculator import write_tiny_speculator
@@ -70,6 +71,8 @@ def main() -> None:
         return speculator.generate_candidates(state, last, args.top_k, args.candidates)[0]
 
     paths = draft()[0].tolist()
+    plain_draft_s = best_of(draft, args.repeats)
+    use_engine_linears(speculator)  # as MLPProposer serves it
     if args.worst_case:
         paths = [[1000 * (c + 1) + d for d in range(depth)] for c in range(args.candidates)]
     tree = DraftTree.from_paths(paths)
@@ -102,6 +105,7 @@ def main() -> None:
         "matmul_floor_1_row_ms": floor1_s * 1e3,
         "verify_over_plain": verify_s / plain_s,
         "draft_ms": draft_s * 1e3,
+        "draft_nn_linear_ms": plain_draft_s * 1e3,
     }
     print(
         f"model {args.model.name}, float32, {torch.get_num_threads()} threads; tree top-k "
@@ -114,7 +118,9 @@ def main() -> None:
     )
     print(f"{'plain decode step':<26}{plain_s * 1e3:>8.2f}   verify/plain {verify_s / plain_s:.3f}")
     print(f"{'matmuls, 1 row':<26}{floor1_s * 1e3:>8.2f}")
-    print(f"{'speculator drafting':<26}{draft_s * 1e3:>8.2f}")
+    print(
+        f"{'speculator drafting':<26}{draft_s * 1e3:>8.2f}   (nn.Linear: {plain_draft_s * 1e3:.2f})"
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {RESULTS}")

@@ -152,7 +152,9 @@ class LLMEngine:
                 self._prompt_logprobs.pop(out.request_id, None)
         if self.policy is not None and sched.scheduled_requests:
             seconds = time.perf_counter() - start + self._propose_seconds
-            self.policy.observe_step(sched.total_num_scheduled_tokens, seconds)
+            self.policy.observe_step(
+                sched.total_num_scheduled_tokens, seconds, bool(sched.scheduled_spec_token_ids)
+            )
         start = time.perf_counter()
         self._propose()
         self._propose_seconds = time.perf_counter() - start

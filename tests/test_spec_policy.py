@@ -45,11 +45,12 @@ def test_chooses_the_best_expected_rate() -> None:
     policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0)
     assert policy.choose(num_plain_rows=0, num_spec_requests=2) == 3  # nothing known: full tree
     policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
-    for rows, seconds in [(2, 0.010), (8, 0.020), (10, 0.060), (16, 0.100)]:
-        policy.observe_step(rows, seconds)
+    policy.observe_step(2, 0.010)
+    for rows, seconds in [(8, 0.020), (10, 0.060), (16, 0.100)]:
+        policy.observe_step(rows, seconds, speculative=True)
     # Two requests: k=0 -> 2 tokens / 10 ms; k=1 -> 6 / 20 ms; k=2 -> 8 / 60 ms; k=3 -> 8 / 100.
     assert policy.choose(0, 2) == 1
-    policy.observe_step(8, 0.100)  # drafting got dear: 6 / 100 ms loses to 2 / 10 ms
+    policy.observe_step(8, 0.100, speculative=True)  # drafting got dear: 6 / 100 ms loses
     assert policy.choose(0, 2) == 0
     assert policy.choose(0, 0) == 0
 
@@ -57,9 +58,23 @@ def test_chooses_the_best_expected_rate() -> None:
 def test_refreshes_the_full_tree_statistics() -> None:
     policy = SpeculationPolicy(num_candidates=3, refresh_every=2, alpha=1.0)
     policy.observe_tree(TREE, [1, 2, 4, 8])
-    for rows, seconds in [(1, 0.010), (4, 0.011), (5, 0.5), (8, 0.9)]:
-        policy.observe_step(rows, seconds)
+    policy.observe_step(1, 0.010)
+    for rows, seconds in [(4, 0.011), (5, 0.5), (8, 0.9)]:
+        policy.observe_step(rows, seconds, speculative=True)
     assert [policy.choose(0, 1) for _ in range(6)] == [1, 1, 3, 1, 1, 3]
+
+
+def test_plain_steps_do_not_price_trees() -> None:
+    """A prefill chunk of 16 rows is cheap per row; a speculative step of 16 rows (drafting,
+    tree attention) is not. Only speculative steps price a tree."""
+    policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0)
+    policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
+    for rows in (2, 8, 10, 16, 32):
+        policy.observe_step(rows, 0.010 + 0.0005 * rows)  # plain: decodes and prefill chunks
+    assert policy.predict_seconds(8, speculative=True) is None
+    for rows in (8, 10, 16):
+        policy.observe_step(rows, 0.100, speculative=True)
+    assert policy.choose(0, 2) == 0  # 2 tokens / 11 ms beats 6 tokens / 100 ms
 
 
 def test_engine_stops_speculating_when_drafts_never_pay(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ maximises the step's expected tokens per second,
 
 with T_k the mean tokens a request gains with its first k candidates (accepted drafts + 1;
 T_0 = 1), S_k the mean rows their tree takes (S_0 = 1) and time(rows) the measured time of a
-step of that many rows (including drafting, for speculative steps). Every verified tree of K
+step of that many rows: of plain steps for k = 0, of speculative steps (drafting included) for
+k > 0, kept apart because a tree's rows cost more than as many prompt rows. Every verified tree of K
 candidates also tells what each k <= K would have accepted (`DraftTree.match_lengths`), so one
 full-tree step updates every T_k. A choice whose step time was never measured is tried once;
 every `refresh_every` speculative steps the full tree is verified again so that T_k stays
@@ -44,7 +45,7 @@ class SpeculationPolicy:
         self.alpha = alpha
         self.tokens = [_Mean(alpha) for _ in range(num_candidates + 1)]  # T_k
         self.rows = [_Mean(alpha) for _ in range(num_candidates + 1)]  # S_k
-        self._step_seconds: dict[int, _Mean] = {}  # rows -> seconds
+        self._step_seconds: tuple[dict[int, _Mean], dict[int, _Mean]] = ({}, {})  # plain, spec
         self._since_full = 0
 
     def choose(self, num_plain_rows: int, num_spec_requests: int) -> int:
@@ -60,7 +61,7 @@ class SpeculationPolicy:
                 continue
             tokens = num_plain_rows + num_spec_requests * (self.tokens[k].value if k else 1.0)
             rows = num_plain_rows + num_spec_requests * (self.rows[k].value if k else 1.0)
-            seconds = self.predict_seconds(round(rows))
+            seconds = self.predict_seconds(round(rows), speculative=k > 0)
             if seconds is None:
                 return self._chosen(k)  # never measured: try it once
             if tokens / seconds > best_rate:
@@ -80,22 +81,26 @@ class SpeculationPolicy:
             self.tokens[k].add(best + 1)
             self.rows[k].add(max(tree.leaves[:k]) + 1)
 
-    def observe_step(self, num_rows: int, seconds: float) -> None:
-        """A step that fed `num_rows` tokens to the model took `seconds`."""
-        self._step_seconds.setdefault(num_rows, _Mean(self.alpha)).add(seconds)
+    def observe_step(self, num_rows: int, seconds: float, speculative: bool = False) -> None:
+        """A step that fed `num_rows` tokens to the model took `seconds`; `speculative` when it
+        verified draft trees (its drafting included in `seconds`)."""
+        table = self._step_seconds[speculative]
+        table.setdefault(num_rows, _Mean(self.alpha)).add(seconds)
 
-    def predict_seconds(self, num_rows: int) -> float | None:
-        """Measured, or interpolated between the nearest measured row counts; None when no
-        measured count lies at or above `num_rows` (extrapolating would guess)."""
-        if num_rows in self._step_seconds:
-            return self._step_seconds[num_rows].value
-        known = sorted(self._step_seconds)
+    def predict_seconds(self, num_rows: int, speculative: bool = False) -> float | None:
+        """The time of a plain (or `speculative`) step of `num_rows` rows: measured, or
+        interpolated between the nearest measured row counts; None when no measured count lies
+        at or above `num_rows` (extrapolating would guess)."""
+        table = self._step_seconds[speculative]
+        if num_rows in table:
+            return table[num_rows].value
+        known = sorted(table)
         i = bisect.bisect_left(known, num_rows)
         if i == len(known):
             return None
         hi = known[i]
         if i == 0:
-            return self._step_seconds[hi].value
+            return table[hi].value
         lo = known[i - 1]
-        t_lo, t_hi = self._step_seconds[lo].value, self._step_seconds[hi].value
+        t_lo, t_hi = table[lo].value, table[hi].value
         return t_lo + (t_hi - t_lo) * (num_rows - lo) / (hi - lo)

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
+from engine.layers.linear import Linear, select_kernels
 from engine.speculator.mlp_speculator import MLPSpeculator, check_tree_shape
 from engine.speculator.tree import DraftTree
 
@@ -42,8 +44,42 @@ class Proposer(Protocol):
         ...
 
 
+class _FlatLinear(nn.Module):
+    """The engine's Linear (2-D input) applied over any leading dimensions."""
+
+    def __init__(self, linear: Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        y = self.linear(x.reshape(-1, x.shape[-1]))
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def use_engine_linears(speculator: MLPSpeculator) -> None:
+    """Swap the speculator's `nn.Linear`s (each shared one once) for the engine's Linear with the
+    fastest exact kernel per row count, as the base model's layers get: on a CPU its heads are
+    vocabulary-sized, and drafting reads each of them at one to a few dozen rows."""
+    swapped: dict[int, _FlatLinear] = {}
+    for stages in (speculator.proj, speculator.head):
+        for i, layer in enumerate(stages):
+            if not isinstance(layer, nn.Linear):
+                continue
+            if id(layer) not in swapped:
+                weight = layer.weight.detach()
+                fast = Linear(
+                    layer.in_features, layer.out_features, dtype=weight.dtype, device=weight.device
+                )
+                fast.load_rows(0, weight)
+                swapped[id(layer)] = _FlatLinear(fast)
+            stages[i] = swapped[id(layer)]
+    if next(speculator.parameters()).device.type == "cpu":
+        select_kernels([flat.linear for flat in swapped.values()], m_values=(1, 2, 4, 8, 16, 32))
+
+
 class MLPProposer:
-    """Drafts the `n_candidates` best paths of an MLPSpeculator's top-k tree, merged."""
+    """Drafts the `n_candidates` best paths of an MLPSpeculator's top-k tree, merged. Takes
+    over `speculator` for inference (see `use_engine_linears`)."""
 
     def __init__(
         self,
@@ -53,6 +89,7 @@ class MLPProposer:
     ) -> None:
         """`top_k_tokens_per_head` and `n_candidates` override the speculator's config."""
         config = speculator.config
+        use_engine_linears(speculator)
         self.speculator = speculator
         self.top_k_tokens_per_head = tuple(top_k_tokens_per_head or config.top_k_tokens_per_head)
         self.n_candidates = n_candidates or config.n_candidates
