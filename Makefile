@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SPECSERVE_HOME ?= $(HOME)/.cache/specserve
 export SPECSERVE_HOME
+SPECULATOR_MINUTES ?= 6
+SPECULATOR_PROMPTS ?= 640
 
 .DEFAULT_GOAL := help
 
@@ -49,9 +51,17 @@ format: install ## Apply ruff's formatting and fixes
 test: models lint gen-proto ## Install, prepare models, lint, run all tests
 	$(PY) -m pytest -q tests integration_tests/text_generation_tests
 
+DEFAULT_SPECULATOR := $(SPECSERVE_HOME)/speculators/SmolLM2-135M-Instruct-accelerator
+
 .PHONY: run
-run: models gen-proto ## Serve the default model: gRPC on 8033, HTTP /health and /metrics on 3000
-	$(PY) -m server.main
+run: models gen-proto ## Serve the default model (with its speculator once `make speculator` made it): gRPC 8033, HTTP 3000
+	@if [ -z "$$MODEL_NAME$$SPECULATOR_PATH$$SPECULATOR_NAME" ] && [ -f "$(DEFAULT_SPECULATOR)/config.json" ]; then \
+		export SPECULATOR_PATH="$(DEFAULT_SPECULATOR)"; echo "speculator: $$SPECULATOR_PATH"; fi; \
+		exec $(PY) -m server.main
+
+.PHONY: speculator
+speculator: models ## Train the default model's speculator (cached; under 30 min on 2 CPU cores); prints its folder last
+	$(PY) -m engine.speculator.train --num-prompts $(SPECULATOR_PROMPTS) --minutes $(SPECULATOR_MINUTES)
 
 .PHONY: image
 image: ## docker build the CUDA image specserve:latest (the Dockerfile's default target)
@@ -74,7 +84,8 @@ bench-verify: models ## Cost of verifying a [5,3,2]x5 draft tree at batch 1 vs t
 	$(PY) -m bench.bench_verify
 
 .PHONY: bench-serving
-bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/32 (SmolLM2 fp32); SPECULATOR=PATH
+bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/32 (SmolLM2 fp32); SPECULATOR=PATH adds an on/off comparison and a plot
+	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q 'matplotlib>=3.8'
 	$(PY) -m bench.bench_serving $(if $(SPECULATOR),--speculator $(SPECULATOR))
 
 .PHONY: clean

@@ -12,8 +12,12 @@ p50 inter-token latency at the highest over the lowest (target <= 4x). Prints a 
 JSON (bench/results/serving.json, or serving_speculator.json with a speculator), with the 1-minute
 load average before and after each level: on a shared machine, other work skews the numbers.
 
-`--speculator PATH` serves with SPECULATOR_PATH=PATH, for the same sweep with speculative
-decoding on; without it SPECULATOR_PATH and SPECULATOR_NAME are removed from the server's env.
+`--speculator PATH` runs the sweep twice in one run, speculation off (SPECULATOR_PATH and
+SPECULATOR_NAME removed from the server's env) and on (SPECULATOR_PATH=PATH, the server's
+adaptive policy deciding per step), and adds per level the ratio of on to off, the mean tokens
+per speculative step and the acceptance per head (from the server's tgi_spec_* counters), and a
+PNG plot of tokens/s and p50 inter-token latency (bench/results/serving_speculator.{json,png};
+the plot needs matplotlib: `pip install -e '.[bench]'`).
 
     python -m bench.bench_serving [--concurrency 1 4 16 32] [--duration 30] [--speculator PATH]
 """
@@ -149,6 +153,92 @@ def print_table(rows: list[dict[str, Any]], header: bool = True) -> None:
         )
 
 
+def spec_counters(server: ServerProcess) -> dict[str, float]:
+    """The server's speculation counters: every `tgi_spec_*` sample by name with labels."""
+    out = {}
+    for line in server.metrics_text().splitlines():
+        if line.startswith("tgi_spec_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def spec_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Speculative steps, mean tokens per speculative step and acceptance per head between two
+    `spec_counters` readings."""
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = delta("tgi_spec_tokens_per_step_count")
+    acceptance = []
+    for head in range(16):
+        proposed = delta(f'tgi_spec_head_proposed_total{{head="{head}"}}')
+        if proposed <= 0:
+            break
+        acceptance.append(delta(f'tgi_spec_head_accepted_total{{head="{head}"}}') / proposed)
+    return {
+        "spec_steps": int(steps),
+        "tokens_per_spec_step": delta("tgi_spec_tokens_per_step_sum") / steps if steps else None,
+        "head_acceptance": acceptance,
+    }
+
+
+def sweep(
+    model: Path,
+    env: dict[str, str],
+    unset: tuple[str, ...],
+    prompts: list[str],
+    levels: list[int],
+    new_tokens: int,
+    duration: float,
+) -> list[dict[str, Any]]:
+    """Start a server with `env` and run every concurrency level against it; one row per level
+    (with `spec_stats` when the server speculates)."""
+    log = Path(f"/tmp/specserve-bench-serving-{os.getpid()}.log")
+    rows = []
+    with ServerProcess(model, env, log, unset=unset) as server:
+        asyncio.run(run_level(server.grpc_target, prompts, 2, new_tokens, 0.1))  # warm-up
+        for concurrency in levels:
+            before = spec_counters(server)
+            row = asyncio.run(
+                run_level(server.grpc_target, prompts, concurrency, new_tokens, duration)
+            )
+            if "SPECULATOR_PATH" in env:
+                row.update(spec_stats(before, spec_counters(server)))
+            rows.append(row)
+            print_table(rows[-1:], header=len(rows) == 1)
+    return rows
+
+
+def plot(off: list[dict[str, Any]], on: list[dict[str, Any]], path: Path) -> bool:
+    """Tokens/s and p50 inter-token latency against concurrency, speculation off and on, as a
+    PNG at `path`; False (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for rows, label in ((off, "speculation off"), (on, "speculation on")):
+        levels = [r["concurrency"] for r in rows]
+        left.plot(levels, [r["tokens_per_s"] for r in rows], marker="o", label=label)
+        right.plot(levels, [r["itl_p50_ms"] for r in rows], marker="o", label=label)
+    for ax, title in ((left, "aggregate tokens/s"), (right, "p50 inter-token latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("specserve through gRPC: SmolLM2-135M-Instruct, float32, 2 CPU cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=default_model_path())
@@ -177,23 +267,16 @@ def main() -> None:
     ]
     env = {"DTYPE_STR": "float32"}
     env.update(kv.split("=", 1) for kv in args.server_env)
-    unset: tuple[str, ...] = ("SPECULATOR_PATH", "SPECULATOR_NAME")
+    speculation = ("SPECULATOR_PATH", "SPECULATOR_NAME")
+    levels = list(args.concurrency)
+    rows = sweep(args.model, env, speculation, prompts, levels, args.new_tokens, args.duration)
+    spec_rows: list[dict[str, Any]] = []
     if args.speculator is not None:
-        env["SPECULATOR_PATH"] = str(args.speculator.resolve())
-        unset = ()
-    log = Path(f"/tmp/specserve-bench-serving-{os.getpid()}.log")
-    with ServerProcess(args.model, env, log, unset=unset) as server:
-        asyncio.run(run_level(server.grpc_target, prompts, 2, args.new_tokens, 0.1))  # warm-up
-        rows = []
-        for concurrency in args.concurrency:
-            rows.append(
-                asyncio.run(
-                    run_level(
-                        server.grpc_target, prompts, concurrency, args.new_tokens, args.duration
-                    )
-                )
-            )
-            print_table(rows[-1:], header=len(rows) == 1)
+        spec_env = {**env, "SPECULATOR_PATH": str(args.speculator.resolve())}
+        print("\nspeculation on")
+        spec_rows = sweep(args.model, spec_env, (), prompts, levels, args.new_tokens, args.duration)
+        for off, on in zip(rows, spec_rows, strict=True):
+            on["speedup_vs_off"] = on["tokens_per_s"] / off["tokens_per_s"]
     lo, hi = rows[0], rows[-1]
     throughput_ratio = hi["tokens_per_s"] / lo["tokens_per_s"]
     itl_ratio = hi["itl_p50_ms"] / lo["itl_p50_ms"]
@@ -205,9 +288,19 @@ def main() -> None:
         f"p50 ITL at {hi['concurrency']} vs {lo['concurrency']}: {itl_ratio:.2f}x "
         f"(target <= {TARGET_ITL_RATIO:g}x)"
     )
-    out = args.out or RESULTS / (
-        "serving_speculator.json" if args.speculator is not None else "serving.json"
-    )
+    if spec_rows:
+        print("\nspeculation on:")
+        print_table(spec_rows)
+        for r in spec_rows:
+            tps = r["tokens_per_spec_step"]
+            heads = " ".join(f"{a:.2f}" for a in r["head_acceptance"])
+            print(
+                f"  {r['concurrency']:>3} clients: {r['speedup_vs_off']:.3f}x of off, "
+                f"{r['spec_steps']} speculative steps"
+                + (f", {tps:.2f} tokens/step, acceptance per head {heads}" if tps else "")
+            )
+    name = "serving_speculator" if spec_rows else "serving"
+    out = args.out or RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
@@ -220,6 +313,7 @@ def main() -> None:
                 "duration_s": args.duration,
                 "machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
                 "rows": rows,
+                "speculator_rows": spec_rows,
                 "throughput_ratio": throughput_ratio,
                 "itl_p50_ratio": itl_ratio,
                 "targets": {
@@ -231,6 +325,9 @@ def main() -> None:
         )
         + "\n"
     )
+    if spec_rows:
+        png = out.with_suffix(".png")
+        print(f"wrote {png}" if plot(rows, spec_rows, png) else "no plot: matplotlib missing")
     print(f"wrote {out}")
 
 
