@@ -52,13 +52,15 @@ def busy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A KV pool of 24 blocks of 16 tokens and at most 16 requests in flight."""
+    """A KV pool of 24 blocks of 16 tokens and at most 16 requests in flight; no prefix
+    caching, so that a prompt needs all its blocks however often it was seen."""
     env = {
         "MAX_SEQUENCE_LENGTH": "320",
         "MAX_NEW_TOKENS": "64",
         "MAX_BATCH_SIZE": "8",
         "MAX_CONCURRENT_REQUESTS": "16",
         "KV_CACHE_BLOCKS": "24",
+        "PREFIX_CACHING": "false",
     }
     with _server(tmp_path_factory, "small", env) as server:
         yield server
