@@ -38,7 +38,10 @@ def test_interpolates_measured_step_times() -> None:
     assert policy.predict_seconds(2) == pytest.approx(0.010)
     assert policy.predict_seconds(6) == pytest.approx(0.020)
     assert policy.predict_seconds(1) == pytest.approx(0.010)
-    assert policy.predict_seconds(11) is None
+    assert policy.predict_seconds(14) == pytest.approx(0.040)  # along the last two
+    assert policy.predict_seconds(4, speculative=True) is None  # no speculative step yet
+    policy.observe_step(8, 0.040, speculative=True)
+    assert policy.predict_seconds(16, speculative=True) == pytest.approx(0.080)
 
 
 def test_chooses_the_best_expected_rate() -> None:

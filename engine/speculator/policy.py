@@ -11,7 +11,7 @@ T_0 = 1), S_k the mean rows their tree takes (S_0 = 1) and time(rows) the measur
 step of that many rows: of plain steps for k = 0, of speculative steps (drafting included) for
 k > 0, kept apart because a tree's rows cost more than as many prompt rows. Every verified tree of K
 candidates also tells what each k <= K would have accepted (`DraftTree.match_lengths`), so one
-full-tree step updates every T_k. A choice whose step time was never measured is tried once;
+full-tree step updates every T_k. Before any speculative step is timed, the tree is tried;
 every `refresh_every` speculative steps the full tree is verified again so that T_k stays
 current.
 """
@@ -63,7 +63,7 @@ class SpeculationPolicy:
             rows = num_plain_rows + num_spec_requests * (self.rows[k].value if k else 1.0)
             seconds = self.predict_seconds(round(rows), speculative=k > 0)
             if seconds is None:
-                return self._chosen(k)  # never measured: try it once
+                return self._chosen(k)  # no speculative step timed yet: try one
             if tokens / seconds > best_rate:
                 best_k, best_rate = k, tokens / seconds
         return self._chosen(best_k)
@@ -89,15 +89,22 @@ class SpeculationPolicy:
 
     def predict_seconds(self, num_rows: int, speculative: bool = False) -> float | None:
         """The time of a plain (or `speculative`) step of `num_rows` rows: measured, or
-        interpolated between the nearest measured row counts; None when no measured count lies
-        at or above `num_rows` (extrapolating would guess)."""
+        interpolated between the nearest measured row counts, or extrapolated along the last
+        two (in proportion to the rows from one); None before any step of that kind."""
         table = self._step_seconds[speculative]
         if num_rows in table:
             return table[num_rows].value
         known = sorted(table)
+        if not known:
+            return None
         i = bisect.bisect_left(known, num_rows)
         if i == len(known):
-            return None
+            top = known[-1]
+            if len(known) == 1:
+                return table[top].value * num_rows / top
+            below = known[-2]
+            slope = (table[top].value - table[below].value) / (top - below)
+            return table[top].value + max(slope, 0.0) * (num_rows - top)
         hi = known[i]
         if i == 0:
             return table[hi].value
