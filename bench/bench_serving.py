@@ -35,9 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from transformers import AutoTokenizer
 
-from bench.chat_prompts import SERVING_PROMPTS
+from bench.chat_prompts import SERVING_PROMPTS, chat_texts
 from engine.paths import default_model_path
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
@@ -256,15 +255,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="JSON output (default: bench/results/...)")
     args = parser.parse_args()
 
-    tokenizer = AutoTokenizer.from_pretrained(str(args.model))
-    prompts = [
-        str(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
-            )
-        )
-        for p in SERVING_PROMPTS
-    ]
+    prompts = chat_texts(args.model, SERVING_PROMPTS)
     env = {"DTYPE_STR": "float32"}
     env.update(kv.split("=", 1) for kv in args.server_env)
     speculation = ("SPECULATOR_PATH", "SPECULATOR_NAME")

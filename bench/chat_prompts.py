@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
 SERVING_PROMPTS = [
     "What are three good habits for a healthy morning routine?",
     "Explain how a rainbow forms.",
@@ -44,3 +49,16 @@ SERVING_PROMPTS = [
     "Describe your ideal weekend in a few sentences.",
     "How do bees make honey?",
 ]
+
+
+def chat_texts(model: Path, prompts: Sequence[str]) -> list[str]:
+    """Each prompt as a user turn in `model`'s chat template, as text for a gRPC request."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    return [
+        str(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+            )
+        )
+        for p in prompts
+    ]

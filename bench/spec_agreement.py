@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-from transformers import AutoTokenizer
 
+from bench.chat_prompts import chat_texts
 from engine.paths import default_model_path
 from engine.speculator.train_prompts import eval_prompts
 from server.pb import generation_pb2 as pb
@@ -69,15 +69,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--offline", type=float, help="the offline tokens per step to compare")
     args = parser.parse_args()
-    tokenizer = AutoTokenizer.from_pretrained(str(args.model))
-    prompts = [
-        str(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
-            )
-        )
-        for p in eval_prompts()
-    ]
+    prompts = chat_texts(args.model, eval_prompts())
     env = {"DTYPE_STR": "float32", "MAX_BATCH_SIZE": str(args.concurrency)}
     plain, _ = serve_all(args.model, env, ("SPECULATOR_PATH", "SPECULATOR_NAME"), prompts, args)
     spec_env = {

@@ -29,6 +29,7 @@ Only blocks the caller declares computed are registered; drafts never are.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
@@ -277,9 +278,7 @@ class KVCacheManager:
         return blocks
 
     def _digest(self, parent: bytes, token_ids: Sequence[int]) -> bytes:
-        h = hashlib.sha256(parent)
-        h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
-        return h.digest()
+        return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
     def allocate_cached_prefix(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
         """Register the new sequence `seq_id` holding the longest registered prefix of
