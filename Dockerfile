@@ -48,7 +48,11 @@ FROM python:${PYTHON_VERSION}-slim-bookworm AS cpu
 LABEL org.opencontainers.image.title="specserve (CPU)" \
       org.opencontainers.image.description="TGIS-compatible gRPC LLM inference server" \
       org.opencontainers.image.licenses="Apache-2.0"
-RUN useradd --uid 2000 --gid 0 --create-home --home-dir /home/specserve \
+# gcc builds the fused CPU kernels for the host's CPU on first start (engine/kernels/cpu.py).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 2000 --gid 0 --create-home --home-dir /home/specserve \
         --shell /usr/sbin/nologin specserve \
     && chmod -R g=u /home/specserve
 COPY --from=cpu-builder /opt/specserve /opt/specserve

@@ -48,6 +48,7 @@ class LLM:
         spec_max_batch_size: int = 16,
         adaptive_speculation: bool = True,
         enable_prefix_caching: bool = True,
+        cpu_kernels: bool = True,
     ) -> None:
         """`max_num_tokens` sizes the KV pool (prompt + generated tokens over all sequences) and
         the per-step token budget; `max_num_seqs` bounds the running batch. `speculator` (an
@@ -55,7 +56,9 @@ class LLM:
         requests while at most `spec_max_batch_size` run; `top_k_tokens_per_head` and
         `n_candidates` override the speculator config's tree shape. With
         `adaptive_speculation`, a SpeculationPolicy picks per step how many candidates pay.
-        `enable_prefix_caching` shares the KV blocks of identical prompt prefixes."""
+        `enable_prefix_caching` shares the KV blocks of identical prompt prefixes.
+        `cpu_kernels=False` runs the CPU float32 glue and attention as ATen ops instead of the
+        fused C kernels."""
         path = Path(model_path) if model_path is not None else default_model_path()
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
         probe_block = block_size or (256 if device.startswith("cuda") else 16)
@@ -65,6 +68,7 @@ class LLM:
             dtype=dtype,
             device=device,
             block_size=block_size,
+            cpu_kernels=cpu_kernels,
         )
         eos_token_ids = set(self.runner.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache, select_backend
+from engine.kernels.cpu import load_cpu_kernels
 from engine.layers.linear import select_kernels
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import load_weights
@@ -64,7 +65,12 @@ class ModelOutput:
 
 
 class ModelRunner:
-    """Loads a Llama folder, allocates `num_blocks` KV blocks per layer, executes steps."""
+    """Loads a Llama folder, allocates `num_blocks` KV blocks per layer, executes steps.
+
+    On CPU in float32 the model's glue and attention run as fused C kernels unless
+    `cpu_kernels=False` (or no C compiler is found); the results are the same within float32
+    rounding.
+    """
 
     def __init__(
         self,
@@ -75,14 +81,17 @@ class ModelRunner:
         device: str = "cpu",
         block_size: int | None = None,
         backend: AttentionBackend | None = None,
+        cpu_kernels: bool = True,
     ) -> None:
         self.model_path = Path(model_path)
         self.config = LlamaConfig.from_folder(self.model_path)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.config.torch_dtype, device)
-        self.backend = backend or select_backend(device, block_size)
+        fused = cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32
+        kernels = load_cpu_kernels() if fused else None
+        self.backend = backend or select_backend(device, block_size, kernels)
         self.block_size = self.backend.block_size
-        self.model = LlamaModel(self.config, self.backend, self.dtype, self.device)
+        self.model = LlamaModel(self.config, self.backend, self.dtype, self.device, kernels)
         load_weights(self.model, self.model_path)
         self.model.eval()
         if self.device.type == "cpu":

@@ -87,6 +87,7 @@ def _load_proposer(config: ServerConfig, runner: ModelRunner) -> MLPProposer | N
 async def serve(config: ServerConfig) -> None:
     """Run the server until SIGTERM or SIGINT."""
     from engine.attention import select_backend
+    from engine.kernels.cpu import load_cpu_kernels
 
     credentials = server_credentials(config)
     max_seq_len = config.resolved_max_sequence_length()
@@ -97,7 +98,8 @@ async def serve(config: ServerConfig) -> None:
             config.max_new_tokens,
             max_new_tokens,
         )
-    backend = select_backend(config.device)
+    cpu_fp32 = config.device == "cpu" and (config.dtype or "float32") == "float32"
+    backend = select_backend(config.device, kernels=load_cpu_kernels() if cpu_fp32 else None)
     logger.info(
         "attention: %s on a paged KV cache of %d-token blocks (always paged; FLASH_ATTENTION=%s, "
         "PAGED_ATTENTION=%s)",

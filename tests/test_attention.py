@@ -3,13 +3,41 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend
+from engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, cpu_backend
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.kernels.cpu import load_cpu_kernels
 
 H, KVH, D = 4, 2, 8
+
+
+def _fused(block_size: int) -> AttentionBackend:
+    kernels = load_cpu_kernels()
+    assert kernels is not None, "the C kernels must build on a machine with a C compiler"
+    return CpuAttentionBackend(kernels, block_size)
+
+
+BACKENDS: dict[str, Callable[[int], AttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "fused": _fused,
+}
+
+
+@pytest.fixture(params=["torch", "fused", "fused-threads", "fused-over-sdpa"])
+def make_backend(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[int], AttentionBackend]:
+    """Each backend, and the fused one with its sequences split over two threads, or with its
+    work threshold at 0 so that it hands the step to SDPA."""
+    if request.param == "fused-threads":
+        monkeypatch.setattr(cpu_backend, "PARALLEL_MIN_WORK", 1)
+    if request.param == "fused-over-sdpa":
+        monkeypatch.setattr(cpu_backend, "FUSED_MAX_WORK", 0)
+    return BACKENDS[request.param.split("-")[0]]
 
 
 def dense_attention(
@@ -39,9 +67,11 @@ def random_tree_mask(n: int, rng: random.Random) -> torch.Tensor:
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("with_trees", [False, True])
-def test_paged_equals_dense(block_size: int, with_trees: bool) -> None:
+def test_paged_equals_dense(
+    make_backend: Callable[[int], AttentionBackend], block_size: int, with_trees: bool
+) -> None:
     rng = random.Random(block_size * 2 + with_trees)
-    backend = TorchAttentionBackend(block_size)
+    backend = make_backend(block_size)
     num_blocks = 64
     cache = (
         torch.randn(num_blocks, block_size, KVH, D),
@@ -66,9 +96,14 @@ def test_paged_equals_dense(block_size: int, with_trees: bool) -> None:
         slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, total)]
         trees.append(random_tree_mask(n, rng) if with_trees and n > 1 else None)
 
-    q = torch.randn(sum(query_lens), H, D)
-    new_k = torch.cat([k[c:] for k, c in zip(seq_k, ctx_lens, strict=True)])
-    new_v = torch.cat([v[c:] for v, c in zip(seq_v, ctx_lens, strict=True)])
+    # q, k and v are views into one fused projection output, as the model passes them.
+    num_tokens = sum(query_lens)
+    qkv = torch.randn(num_tokens, (H + 2 * KVH) * D)
+    q = qkv[:, : H * D].view(num_tokens, H, D)
+    new_k = qkv[:, H * D : (H + KVH) * D].view(num_tokens, KVH, D)
+    new_v = qkv[:, (H + KVH) * D :].view(num_tokens, KVH, D)
+    new_k.copy_(torch.cat([k[c:] for k, c in zip(seq_k, ctx_lens, strict=True)]))
+    new_v.copy_(torch.cat([v[c:] for v, c in zip(seq_v, ctx_lens, strict=True)]))
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
@@ -92,8 +127,8 @@ def test_paged_equals_dense(block_size: int, with_trees: bool) -> None:
     torch.testing.assert_close(cache[0].view(-1, KVH, D)[torch.tensor(slots)], new_k)
 
 
-def test_single_decode_fast_path() -> None:
-    backend = TorchAttentionBackend(4)
+def test_single_decode_fast_path(make_backend: Callable[[int], AttentionBackend]) -> None:
+    backend = make_backend(4)
     cache = (torch.randn(8, 4, KVH, D), torch.randn(8, 4, KVH, D))
     table = [5, 2, 7]
     k, v = torch.randn(10, KVH, D), torch.randn(10, KVH, D)

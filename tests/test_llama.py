@@ -49,9 +49,10 @@ def test_smollm2_matches_transformers(smollm2: LLM, smollm2_path: Path, batched:
     print(f"SmolLM2 {'batched' if batched else 'one-by-one'}: {near_ties} near-ties")
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_path: Path) -> Iterator[LLM]:
-    yield LLM(tiny_path, dtype="float32", max_num_tokens=8192)
+@pytest.fixture(scope="module", params=[True, False], ids=["fused", "aten"])
+def tiny(tiny_path: Path, request: pytest.FixtureRequest) -> Iterator[LLM]:
+    """Each tiny model with the fused CPU kernels and with the same maths as ATen ops."""
+    yield LLM(tiny_path, dtype="float32", max_num_tokens=8192, cpu_kernels=request.param)
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batched"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels.cpu import CpuKernels
 
 __all__ = [
     "AttentionBackend",
@@ -20,8 +21,15 @@ __all__ = [
 ]
 
 
-def select_backend(device: str, block_size: int | None = None) -> AttentionBackend:
-    """flash-attn's paged kernel on CUDA when installed; else the torch (SDPA) backend."""
+def select_backend(
+    device: str, block_size: int | None = None, kernels: CpuKernels | None = None
+) -> AttentionBackend:
+    """flash-attn's paged kernel on CUDA when installed; the fused C kernel on CPU when `kernels`
+    are given; else the torch (SDPA) backend."""
+    if kernels is not None and device == "cpu":
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend(kernels, block_size or 16)
     if device.startswith("cuda"):
         try:
             from engine.attention.flash_backend import FlashAttentionBackend

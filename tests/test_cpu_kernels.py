@@ -1,0 +1,78 @@
+"""The fused C kernels against the same maths in float64 ATen ops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu import CpuKernels, load_cpu_kernels
+from engine.models.llama import LlamaConfig, RotaryEmbedding
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    k = load_cpu_kernels()
+    assert k is not None, "the C kernels must build on a machine with a C compiler"
+    return k
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    return (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight.double()).float()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("width", [8, 576, 1001])
+def test_rms_norm(kernels: CpuKernels, rows: int, width: int) -> None:
+    g = torch.Generator().manual_seed(rows * width)
+    weight = torch.randn(width, generator=g)
+    wide = torch.randn(rows, width + 5, generator=g) * 3
+    x = wide[:, :width]  # a row stride other than the width
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))
+
+
+def test_add_rms_norm_updates_the_residual_in_place(kernels: CpuKernels) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(5, 576, generator=g) for _ in range(2))
+    weight = torch.randn(576, generator=g)
+    expected_sum = x + residual
+    out = kernels.add_rms_norm_(x, residual, weight, 1e-6)
+    torch.testing.assert_close(residual, expected_sum, rtol=0, atol=0)
+    torch.testing.assert_close(out, rms_norm_ref(expected_sum, weight, 1e-6))
+
+
+def test_silu_and_mul_over_the_whole_float_range(kernels: CpuKernels) -> None:
+    gate = torch.cat([torch.linspace(-120, 120, 4001), torch.tensor([0.0, -1e-30, 1e-30])])
+    up = torch.randn_like(gate)
+    out = kernels.silu_and_mul(torch.cat([gate, up])[None])[0]
+    expected = (F.silu(gate.double()) * up.double()).float()
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}])
+def test_rope_in_place_matches_rotate(kernels: CpuKernels, scaling: dict | None) -> None:
+    heads, head_dim, num_tokens = 5, 64, 7
+    config = LlamaConfig.from_dict(
+        {
+            "vocab_size": 8, "hidden_size": heads * head_dim, "intermediate_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": heads, "rope_theta": 10000.0,
+            "rope_scaling": scaling, "max_position_embeddings": 64,
+        }
+    )  # fmt: skip
+    rotary = RotaryEmbedding(config, torch.float32, torch.device("cpu"))
+    positions = torch.tensor([0, 1, 63, 200, 5, 5, 1000])  # beyond the table: it grows
+    step = rotary.prepare(positions, int(positions.max()), lookup=True)
+    assert step.cos_sin is not None
+    x = torch.randn(num_tokens, heads * head_dim + 3)  # 3 trailing values the kernel leaves
+    expected = rotary.rotate(x[:, : heads * head_dim].reshape(num_tokens, heads, head_dim),
+                             step.cos_sin)  # fmt: skip
+    tail = x[:, heads * head_dim :].clone()
+    kernels.rope_(x, heads, head_dim, rotary.table, positions)
+    rotated = x[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    torch.testing.assert_close(rotated, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(x[:, heads * head_dim :], tail)
+    # The rotation preserves each head's norm (a check independent of `rotate`).
+    assert math.isclose(rotated.norm().item(), expected.norm().item(), rel_tol=1e-5)
