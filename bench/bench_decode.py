@@ -13,7 +13,8 @@ import argparse
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,8 +43,24 @@ def decode_rate(generate: Callable[[int], object], batch: int, new_tokens: int) 
     return batch * (new_tokens - 1) / (t_full - t_prefill)
 
 
-def matmul_floor(llm: LLM, batch: int, repeats: int = 20) -> float:
-    """Seconds for one decode step's linear layers alone, in model order, same kernels."""
+def interleaved_min(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Seconds of each function's fastest run, the functions called in turn `repeats` times, so
+    that a slow spell of a shared host hits all of them alike and ratios stay fair."""
+    best = dict.fromkeys(fns, float("inf"))
+    with torch.inference_mode():
+        for fn in fns.values():
+            fn()  # warm-up
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def matmul_floor(llm: LLM, batch: int) -> Callable[[], None]:
+    """One decode step's linear layers alone, in model order, with the kernels the engine
+    chose, on `batch` rows."""
     linears = llm.runner.model.linears()
     inputs = [torch.randn(batch, lin.in_features) for lin in linears]
 
@@ -51,13 +68,13 @@ def matmul_floor(llm: LLM, batch: int, repeats: int = 20) -> float:
         for lin, x in zip(linears, inputs, strict=True):
             lin(x)
 
-    with torch.inference_mode():
-        step()
-        return best_of(step, repeats)
+    return step
 
 
-def engine_step(llm: LLM, prompts: list[list[int]], repeats: int = 20) -> float:
-    """Seconds for one decode forward pass (runner.execute) at len(prompts) sequences."""
+@contextmanager
+def engine_step(llm: LLM, prompts: list[list[int]]) -> Iterator[Callable[[], object]]:
+    """One decode forward pass (runner.execute) over len(prompts) sequences whose prompts are
+    in the cache; the sequences are freed on exit."""
     from engine.model_runner import SequenceInput
 
     kv, runner = llm.kv, llm.runner
@@ -70,8 +87,7 @@ def engine_step(llm: LLM, prompts: list[list[int]], repeats: int = 20) -> float:
             SequenceInput([p[-1]], len(p), kv.block_table(("bench", i)))
             for i, p in enumerate(prompts)
         ]
-        runner.execute(decode)
-        return best_of(lambda: runner.execute(decode), repeats)
+        yield lambda: runner.execute(decode)
     finally:
         for i in range(len(prompts)):
             kv.free(("bench", i))
@@ -101,8 +117,9 @@ def main() -> None:
         def ours(n: int, bp: list[list[int]] = batch_prompts) -> object:
             return llm.generate(bp, n, ignore_eos=True)
 
-        step = engine_step(llm, batch_prompts)
-        floor = matmul_floor(llm, batch)
+        with engine_step(llm, batch_prompts) as decode:
+            times = interleaved_min({"step": decode, "floor": matmul_floor(llm, batch)}, 20)
+        step, floor = times["step"], times["floor"]
         rows.append(
             {
                 "batch": batch,

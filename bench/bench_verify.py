@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_decode import best_of, engine_step, matmul_floor
+from bench.bench_decode import best_of, engine_step, interleaved_min, matmul_floor
 from engine import LLM
 from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
@@ -85,13 +85,21 @@ def main() -> None:
         tree_mask=tree.attention_mask(),
         logits_indices=list(range(rows)),
     )
-    runner.execute([verify])
-    verify_s = best_of(lambda: runner.execute([verify]), args.repeats)
-    kv.free(seq)
     draft_s = best_of(draft, args.repeats)
-    floor_s = matmul_floor(llm, rows, args.repeats)
-    plain_s = engine_step(llm, [prompt], args.repeats)
-    floor1_s = matmul_floor(llm, 1, args.repeats)
+    with engine_step(llm, [prompt]) as plain:
+        times = interleaved_min(
+            {
+                "verify": lambda: runner.execute([verify]),
+                "floor": matmul_floor(llm, rows),
+                "plain": plain,
+                "floor1": matmul_floor(llm, 1),
+            },
+            args.repeats,
+        )
+    kv.free(seq)
+    verify_s, floor_s, plain_s, floor1_s = (
+        times[k] for k in ("verify", "floor", "plain", "floor1")
+    )
 
     result = {
         "model": args.model.name,
