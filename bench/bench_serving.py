@@ -12,20 +12,24 @@ p50 inter-token latency at the highest over the lowest (target <= 4x). Prints a 
 JSON (bench/results/serving.json, or serving_speculator.json with a speculator), with the 1-minute
 load average before and after each level: on a shared machine, other work skews the numbers.
 
-`--speculator PATH` runs the sweep twice in one run, speculation off (SPECULATOR_PATH and
+`--speculator PATH` runs two servers side by side, speculation off (SPECULATOR_PATH and
 SPECULATOR_NAME removed from the server's env) and on (SPECULATOR_PATH=PATH, the server's
-adaptive policy deciding per step), and adds per level the ratio of on to off, the mean tokens
-per speculative step and the acceptance per head (from the server's tgi_spec_* counters), and a
-PNG plot of tokens/s and p50 inter-token latency (bench/results/serving_speculator.{json,png};
-the plot needs matplotlib: `pip install -e '.[bench]'`).
+adaptive policy deciding per step), each level's time split into `--rounds` windows per server
+taken in turns (off, on, off, on, ...), so that both see the same host; it adds per level the
+ratio of on to off, the mean tokens per speculative step and the acceptance per head (from the
+server's tgi_spec_* counters), and a PNG plot of tokens/s and p50 inter-token latency
+(bench/results/serving_speculator.{json,png}; the plot needs matplotlib:
+`pip install -e '.[bench]'`).
 
-    python -m bench.bench_serving [--concurrency 1 4 16 32] [--duration 30] [--speculator PATH]
+    python -m bench.bench_serving [--concurrency 1 4 16 32] [--duration 30] [--rounds 3]
+                                  [--speculator PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -95,12 +99,11 @@ async def client(
         i += stride
 
 
-async def run_level(
+async def run_window(
     target: str, prompts: list[str], concurrency: int, new_tokens: int, duration: float
-) -> dict[str, Any]:
-    """One concurrency level; returns its row of results."""
+) -> tuple[list[Record], float]:
+    """`concurrency` clients for `duration` seconds; their records and the wall time."""
     records: list[Record] = []
-    load_before = os.getloadavg()[0]
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         start = time.perf_counter()
@@ -111,7 +114,11 @@ async def run_level(
                 for c in range(concurrency)
             )
         )
-        wall = time.perf_counter() - start
+        return records, time.perf_counter() - start
+
+
+def summarize(concurrency: int, records: list[Record], wall: float) -> dict[str, Any]:
+    """One level's row of results from its requests over `wall` seconds of windows."""
     tokens = sum(r.tokens for r in records)
     ttft = [r.arrivals[0][0] - r.sent for r in records if r.arrivals]
     itl: list[float] = []
@@ -132,7 +139,6 @@ async def run_level(
         "itl_p50_ms": 1000 * percentile(itl, 50),
         "itl_p90_ms": 1000 * percentile(itl, 90),
         "tpot_p50_ms": 1000 * percentile(tpot, 50),
-        "loadavg_1m": [load_before, os.getloadavg()[0]],
     }
 
 
@@ -185,28 +191,54 @@ def spec_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, A
 
 def sweep(
     model: Path,
-    env: dict[str, str],
-    unset: tuple[str, ...],
+    configs: dict[str, tuple[dict[str, str], tuple[str, ...]]],
     prompts: list[str],
     levels: list[int],
     new_tokens: int,
     duration: float,
-) -> list[dict[str, Any]]:
-    """Start a server with `env` and run every concurrency level against it; one row per level
-    (with `spec_stats` when the server speculates)."""
-    log = Path(f"/tmp/specserve-bench-serving-{os.getpid()}.log")
-    rows = []
-    with ServerProcess(model, env, log, unset=unset) as server:
-        asyncio.run(run_level(server.grpc_target, prompts, 2, new_tokens, 0.1))  # warm-up
-        for concurrency in levels:
-            before = spec_counters(server)
-            row = asyncio.run(
-                run_level(server.grpc_target, prompts, concurrency, new_tokens, duration)
+    rounds: int,
+) -> dict[str, list[dict[str, Any]]]:
+    """Start one server per config (name -> (env, env vars to unset)), all at once, and run
+    every concurrency level against each: `rounds` windows of `duration / rounds` seconds per
+    server, the servers taking turns, so that a slow spell of a shared host hits all of them
+    alike. One row per level and server (with `spec_stats` when it speculates)."""
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    with contextlib.ExitStack() as stack:
+        servers = {
+            name: stack.enter_context(
+                ServerProcess(
+                    model, env, Path(f"/tmp/specserve-bench-{name}-{os.getpid()}.log"), unset=unset
+                )
             )
-            if "SPECULATOR_PATH" in env:
-                row.update(spec_stats(before, spec_counters(server)))
-            rows.append(row)
-            print_table(rows[-1:], header=len(rows) == 1)
+            for name, (env, unset) in configs.items()
+        }
+        for server in servers.values():  # warm-up
+            asyncio.run(run_window(server.grpc_target, prompts, 2, new_tokens, 0.1))
+        for concurrency in levels:
+            records: dict[str, list[Record]] = {name: [] for name in servers}
+            walls = dict.fromkeys(servers, 0.0)
+            before = {name: spec_counters(server) for name, server in servers.items()}
+            load_before = os.getloadavg()[0]
+            for _ in range(rounds):
+                for name, server in servers.items():
+                    window = asyncio.run(
+                        run_window(
+                            server.grpc_target, prompts, concurrency, new_tokens, duration / rounds
+                        )
+                    )
+                    records[name] += window[0]
+                    walls[name] += window[1]
+            for name, server in servers.items():
+                row = summarize(concurrency, records[name], walls[name])
+                row["loadavg_1m"] = [load_before, os.getloadavg()[0]]
+                if "SPECULATOR_PATH" in configs[name][0]:
+                    row.update(spec_stats(before[name], spec_counters(server)))
+                rows[name].append(row)
+                print(
+                    f"{name}: {concurrency} clients, {row['tokens_per_s']:.1f} tok/s, "
+                    f"ITL p50 {row['itl_p50_ms']:.1f} ms",
+                    flush=True,
+                )
     return rows
 
 
@@ -246,6 +278,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--speculator", type=Path, help="serve with SPECULATOR_PATH=PATH")
     parser.add_argument(
+        "--rounds", type=int, default=3, help="windows per level and server, taken in turns"
+    )
+    parser.add_argument(
         "--server-env",
         nargs="*",
         default=[],
@@ -258,16 +293,16 @@ def main() -> None:
     prompts = chat_texts(args.model, SERVING_PROMPTS)
     env = {"DTYPE_STR": "float32"}
     env.update(kv.split("=", 1) for kv in args.server_env)
-    speculation = ("SPECULATOR_PATH", "SPECULATOR_NAME")
-    levels = list(args.concurrency)
-    rows = sweep(args.model, env, speculation, prompts, levels, args.new_tokens, args.duration)
-    spec_rows: list[dict[str, Any]] = []
+    configs = {"off": (env, ("SPECULATOR_PATH", "SPECULATOR_NAME"))}
     if args.speculator is not None:
-        spec_env = {**env, "SPECULATOR_PATH": str(args.speculator.resolve())}
-        print("\nspeculation on")
-        spec_rows = sweep(args.model, spec_env, (), prompts, levels, args.new_tokens, args.duration)
-        for off, on in zip(rows, spec_rows, strict=True):
-            on["speedup_vs_off"] = on["tokens_per_s"] / off["tokens_per_s"]
+        configs["on"] = ({**env, "SPECULATOR_PATH": str(args.speculator.resolve())}, ())
+    levels = list(args.concurrency)
+    results = sweep(
+        args.model, configs, prompts, levels, args.new_tokens, args.duration, args.rounds
+    )
+    rows, spec_rows = results["off"], results.get("on", [])
+    for off, on in zip(rows, spec_rows, strict=True):
+        on["speedup_vs_off"] = on["tokens_per_s"] / off["tokens_per_s"]
     lo, hi = rows[0], rows[-1]
     throughput_ratio = hi["tokens_per_s"] / lo["tokens_per_s"]
     itl_ratio = hi["itl_p50_ms"] / lo["itl_p50_ms"]
@@ -302,6 +337,7 @@ def main() -> None:
                 "server_env": env,
                 "new_tokens": args.new_tokens,
                 "duration_s": args.duration,
+                "rounds": args.rounds,
                 "machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
                 "rows": rows,
                 "speculator_rows": spec_rows,

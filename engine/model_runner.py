@@ -96,6 +96,13 @@ class ModelRunner:
         self.model.eval()
         if self.device.type == "cpu":
             self.kernel_table = select_kernels(self.model.linears())
+            logger.info(
+                "linear kernels by [in, out] and rows: %s",
+                ", ".join(
+                    f"{k}x{n} " + " ".join(f"{m}:{name}" for m, name in sorted(plan.items()))
+                    for (k, n), plan in self.kernel_table.chosen.items()
+                ),
+            )
         cfg = self.config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.num_blocks = num_blocks

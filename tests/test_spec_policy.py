@@ -67,6 +67,20 @@ def test_refreshes_the_full_tree_statistics() -> None:
     assert [policy.choose(0, 1) for _ in range(6)] == [1, 1, 3, 1, 1, 3]
 
 
+def test_explores_again_after_many_plain_decisions() -> None:
+    """A tree that looked too dear once is verified again every `explore_every` decisions, and
+    the policy switches to it when the new measurements show it pays."""
+    policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0, explore_every=5)
+    policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
+    policy.observe_step(2, 0.010)
+    policy.observe_step(8, 0.500, speculative=True)  # a cold first speculative step
+    assert [policy.choose(0, 2) for _ in range(11)] == [0] * 5 + [3] + [0] * 5
+    assert policy.choose(0, 2) == 3  # explores again
+    policy.observe_step(8, 0.012, speculative=True)  # measured again: 1.5 ms a row
+    # k=1: 6 tokens / 12 ms; k=2: 8 tokens / 15 ms; k=3: 8 tokens / 24 ms; k=0: 2 / 10 ms.
+    assert policy.choose(0, 2) == 2
+
+
 def test_plain_steps_do_not_price_trees() -> None:
     """A prefill chunk of 16 rows is cheap per row; a speculative step of 16 rows (drafting,
     tree attention) is not. Only speculative steps price a tree."""

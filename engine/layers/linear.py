@@ -286,6 +286,12 @@ def _has_onnxruntime(layer: Linear) -> bool:
 # CPU fp32 plan before selection, (max M, kernel): the usual winners measured on a 2-core EPYC.
 _CPU_DEFAULT = ((1, "openblas", _build_openblas), (2, "onednn", _build_onednn))
 
+
+def _default_kernel(m: int) -> str:
+    """The kernel `_CPU_DEFAULT` installs for M rows."""
+    return next(name for first, name, _ in reversed(_CPU_DEFAULT) if m >= first)
+
+
 KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
     {
         "torch": KernelSpec("torch", "F.linear (MKL on CPU)", lambda _: True, _build_torch),
@@ -419,6 +425,7 @@ def select_kernels(
     target_s: float = 0.002,
     prune: float = 1.25,
     openblas_threads: int = 1,
+    default_margin: float = 1.1,
 ) -> KernelTable:
     """Time each candidate kernel per distinct (in, out, dtype, bias) group and per M in
     ``m_values``; install the fastest exact one per M bucket in every layer of the group.
@@ -457,7 +464,12 @@ def select_kernels(
             cells = _time_cell(layers, fns, x, rounds, target_s, prune)
             table.timings.extend(cells.values())
             exact = [c for c in cells.values() if c.exact]
-            plan[m] = min(exact, key=lambda c: c.ms).kernel if exact else "torch"
+            best = min(exact, key=lambda c: c.ms) if exact else None
+            default = cells.get(_default_kernel(m))
+            if best is not None and default is not None and default.exact:
+                plan[m] = default.kernel if default.ms <= default_margin * best.ms else best.kernel
+            else:
+                plan[m] = best.kernel if best is not None else "torch"
             if plan[m] not in fns:  # nothing exact: fall back to F.linear
                 fns["torch"] = [_build_torch(ly, table.shared) for ly in layers]
         table.chosen[(k, n)] = plan

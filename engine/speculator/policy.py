@@ -13,7 +13,9 @@ k > 0, kept apart because a tree's rows cost more than as many prompt rows. Ever
 candidates also tells what each k <= K would have accepted (`DraftTree.match_lengths`), so one
 full-tree step updates every T_k. Before any speculative step is timed, the tree is tried;
 every `refresh_every` speculative steps the full tree is verified again so that T_k stays
-current.
+current, and after `explore_every` plain decisions in a row it is tried again, so that one
+unlucky early measurement (a cold first step, drafts that missed) cannot turn speculation off for
+good. In the worst case that costs one speculative step in `explore_every`.
 """
 
 from __future__ import annotations
@@ -37,23 +39,35 @@ class _Mean:
 
 
 class SpeculationPolicy:
-    def __init__(self, num_candidates: int, refresh_every: int = 16, alpha: float = 0.05) -> None:
+    def __init__(
+        self,
+        num_candidates: int,
+        refresh_every: int = 16,
+        alpha: float = 0.05,
+        explore_every: int = 100,
+    ) -> None:
         if num_candidates < 1:
             raise ValueError(f"num_candidates must be positive, got {num_candidates}")
         self.num_candidates = num_candidates
         self.refresh_every = refresh_every
+        self.explore_every = explore_every
         self.alpha = alpha
         self.tokens = [_Mean(alpha) for _ in range(num_candidates + 1)]  # T_k
         self.rows = [_Mean(alpha) for _ in range(num_candidates + 1)]  # S_k
         self._step_seconds: tuple[dict[int, _Mean], dict[int, _Mean]] = ({}, {})  # plain, spec
         self._since_full = 0
+        self._since_speculative = 0  # plain decisions in a row
 
     def choose(self, num_plain_rows: int, num_spec_requests: int) -> int:
         """How many candidates each of `num_spec_requests` requests verifies next step."""
         if num_spec_requests == 0:
             return 0
         full = self.num_candidates
-        if self.tokens[full].count == 0 or self._since_full >= self.refresh_every:
+        if (
+            self.tokens[full].count == 0
+            or self._since_full >= self.refresh_every
+            or self._since_speculative >= self.explore_every
+        ):
             return self._chosen(full)
         best_k, best_rate = 0, 0.0
         for k in range(full + 1):
@@ -70,6 +84,7 @@ class SpeculationPolicy:
 
     def _chosen(self, k: int) -> int:
         self._since_full = 0 if k == self.num_candidates else self._since_full + (k > 0)
+        self._since_speculative = 0 if k else self._since_speculative + 1
         return k
 
     def observe_tree(self, tree: DraftTree, token_ids: list[int]) -> None:
