@@ -48,7 +48,9 @@ FROM python:${PYTHON_VERSION}-slim-bookworm AS cpu
 LABEL org.opencontainers.image.title="specserve (CPU)" \
       org.opencontainers.image.description="TGIS-compatible gRPC LLM inference server" \
       org.opencontainers.image.licenses="Apache-2.0"
-# gcc builds the fused CPU kernels for the host's CPU on first start (engine/kernels/cpu.py).
+# gcc builds the fused CPU kernels for the host's CPU on first start (engine/kernels/cpu.py);
+# Debian's package, unpinned to get its security updates.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
