@@ -4,7 +4,8 @@ Starts `python -m server.main` on SmolLM2 (float32, the server's defaults otherw
 concurrency level, runs that many clients; each sends GenerateStream requests back to back for
 `--duration` seconds: greedy, exactly `--new-tokens` tokens (max_new_tokens = min_new_tokens),
 on held-out chat prompts (bench/chat_prompts.py) in the model's chat template. Per level:
-aggregate generated tokens/s (all tokens over the level's wall time), time to first token (send
+aggregate generated tokens/s (tokens that arrived within the measurement windows over their
+length; requests in flight at a window's end finish outside it), time to first token (send
 to the first message with a generated token), inter-token latency (gaps between token messages,
 split evenly over the tokens a message adds) and time per output token per request. The
 acceptance ratios: aggregate tokens/s at the highest level over the lowest (target >= 8x) and
@@ -101,24 +102,32 @@ async def client(
 
 async def run_window(
     target: str, prompts: list[str], concurrency: int, new_tokens: int, duration: float
-) -> tuple[list[Record], float]:
-    """`concurrency` clients for `duration` seconds; their records and the wall time."""
+) -> tuple[list[Record], int]:
+    """`concurrency` clients for `duration` seconds: their records, and the tokens that arrived
+    within the window. Requests in flight at its end run to completion (their records count for
+    latency) before the call returns."""
     records: list[Record] = []
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        start = time.perf_counter()
-        deadline = start + duration
+        deadline = time.perf_counter() + duration
         await asyncio.gather(
             *(
                 client(stub, prompts, c, concurrency, new_tokens, deadline, records)
                 for c in range(concurrency)
             )
         )
-        return records, time.perf_counter() - start
+    in_window = 0
+    for r in records:
+        in_window += max((n for t, n in r.arrivals if t <= deadline), default=0)
+    return records, in_window
 
 
-def summarize(concurrency: int, records: list[Record], wall: float) -> dict[str, Any]:
-    """One level's row of results from its requests over `wall` seconds of windows."""
+def summarize(
+    concurrency: int, records: list[Record], window_tokens: int, window_s: float
+) -> dict[str, Any]:
+    """One level's row of results: throughput from the tokens that arrived within `window_s`
+    seconds of windows (so that each window's drain, where fewer clients remain, does not count),
+    latencies from every request."""
     tokens = sum(r.tokens for r in records)
     ttft = [r.arrivals[0][0] - r.sent for r in records if r.arrivals]
     itl: list[float] = []
@@ -132,8 +141,8 @@ def summarize(concurrency: int, records: list[Record], wall: float) -> dict[str,
         "concurrency": concurrency,
         "requests": len(records),
         "tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall,
+        "window_s": window_s,
+        "tokens_per_s": window_tokens / window_s,
         "ttft_p50_ms": 1000 * percentile(ttft, 50),
         "ttft_p90_ms": 1000 * percentile(ttft, 90),
         "itl_p50_ms": 1000 * percentile(itl, 50),
@@ -216,7 +225,7 @@ def sweep(
             asyncio.run(run_window(server.grpc_target, prompts, 2, new_tokens, 0.1))
         for concurrency in levels:
             records: dict[str, list[Record]] = {name: [] for name in servers}
-            walls = dict.fromkeys(servers, 0.0)
+            window_tokens = dict.fromkeys(servers, 0)
             before = {name: spec_counters(server) for name, server in servers.items()}
             load_before = os.getloadavg()[0]
             for _ in range(rounds):
@@ -227,9 +236,9 @@ def sweep(
                         )
                     )
                     records[name] += window[0]
-                    walls[name] += window[1]
+                    window_tokens[name] += window[1]
             for name, server in servers.items():
-                row = summarize(concurrency, records[name], walls[name])
+                row = summarize(concurrency, records[name], window_tokens[name], duration)
                 row["loadavg_1m"] = [load_before, os.getloadavg()[0]]
                 if "SPECULATOR_PATH" in configs[name][0]:
                     row.update(spec_stats(before[name], spec_counters(server)))
@@ -278,7 +287,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--speculator", type=Path, help="serve with SPECULATOR_PATH=PATH")
     parser.add_argument(
-        "--rounds", type=int, default=3, help="windows per level and server, taken in turns"
+        "--rounds",
+        type=int,
+        help="windows per level and server, taken in turns (default: 1, or 2 with --speculator)",
     )
     parser.add_argument(
         "--server-env",
@@ -297,9 +308,8 @@ def main() -> None:
     if args.speculator is not None:
         configs["on"] = ({**env, "SPECULATOR_PATH": str(args.speculator.resolve())}, ())
     levels = list(args.concurrency)
-    results = sweep(
-        args.model, configs, prompts, levels, args.new_tokens, args.duration, args.rounds
-    )
+    rounds = args.rounds or len(configs)
+    results = sweep(args.model, configs, prompts, levels, args.new_tokens, args.duration, rounds)
     rows, spec_rows = results["off"], results.get("on", [])
     for off, on in zip(rows, spec_rows, strict=True):
         on["speedup_vs_off"] = on["tokens_per_s"] / off["tokens_per_s"]
@@ -337,7 +347,7 @@ def main() -> None:
                 "server_env": env,
                 "new_tokens": args.new_tokens,
                 "duration_s": args.duration,
-                "rounds": args.rounds,
+                "rounds": rounds,
                 "machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
                 "rows": rows,
                 "speculator_rows": spec_rows,

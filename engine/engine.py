@@ -320,6 +320,8 @@ class LLMEngine:
         if self.policy is not None:
             num_plain_rows = self.scheduler.num_running - len(inputs)
             num_candidates = self.policy.choose(num_plain_rows, len(inputs))
+            if self.policy.probing:
+                inputs = inputs[:1]
         if not inputs or num_candidates == 0:
             return
         trees = self.proposer.propose(inputs)

@@ -74,11 +74,16 @@ def test_explores_again_after_many_plain_decisions() -> None:
     policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
     policy.observe_step(2, 0.010)
     policy.observe_step(8, 0.500, speculative=True)  # a cold first speculative step
-    assert [policy.choose(0, 2) for _ in range(11)] == [0] * 5 + [3] + [0] * 5
+    choices = []
+    for _ in range(11):
+        choices.append(policy.choose(0, 2))
+        assert policy.probing == (choices[-1] > 0)  # a probe: one request drafts
+    assert choices == [0] * 5 + [3] + [0] * 5
     assert policy.choose(0, 2) == 3  # explores again
     policy.observe_step(8, 0.012, speculative=True)  # measured again: 1.5 ms a row
     # k=1: 6 tokens / 12 ms; k=2: 8 tokens / 15 ms; k=3: 8 tokens / 24 ms; k=0: 2 / 10 ms.
     assert policy.choose(0, 2) == 2
+    assert not policy.probing
 
 
 def test_plain_steps_do_not_price_trees() -> None:

@@ -15,7 +15,8 @@ full-tree step updates every T_k. Before any speculative step is timed, the tree
 every `refresh_every` speculative steps the full tree is verified again so that T_k stays
 current, and after `explore_every` plain decisions in a row it is tried again, so that one
 unlucky early measurement (a cold first step, drafts that missed) cannot turn speculation off for
-good. In the worst case that costs one speculative step in `explore_every`.
+good. Such tries only measure: `probing` tells the engine to draft for one request, so a probe
+costs one tree's rows, whatever the batch.
 """
 
 from __future__ import annotations
@@ -57,17 +58,18 @@ class SpeculationPolicy:
         self._step_seconds: tuple[dict[int, _Mean], dict[int, _Mean]] = ({}, {})  # plain, spec
         self._since_full = 0
         self._since_speculative = 0  # plain decisions in a row
+        self.probing = False  # the last choice only measures: speculate for one request
 
     def choose(self, num_plain_rows: int, num_spec_requests: int) -> int:
         """How many candidates each of `num_spec_requests` requests verifies next step."""
+        self.probing = False
         if num_spec_requests == 0:
             return 0
         full = self.num_candidates
-        if (
-            self.tokens[full].count == 0
-            or self._since_full >= self.refresh_every
-            or self._since_speculative >= self.explore_every
-        ):
+        if self.tokens[full].count == 0 or self._since_speculative >= self.explore_every:
+            self.probing = True
+            return self._chosen(full)
+        if self._since_full >= self.refresh_every:
             return self._chosen(full)
         best_k, best_rate = 0, 0.0
         for k in range(full + 1):
@@ -76,8 +78,9 @@ class SpeculationPolicy:
             tokens = num_plain_rows + num_spec_requests * (self.tokens[k].value if k else 1.0)
             rows = num_plain_rows + num_spec_requests * (self.rows[k].value if k else 1.0)
             seconds = self.predict_seconds(round(rows), speculative=k > 0)
-            if seconds is None:
-                return self._chosen(k)  # no speculative step timed yet: try one
+            if seconds is None:  # no speculative step timed yet: try one
+                self.probing = True
+                return self._chosen(k)
             if tokens / seconds > best_rate:
                 best_k, best_rate = k, tokens / seconds
         return self._chosen(best_k)
