@@ -43,11 +43,15 @@ class _Fused:
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu-fused"
 
-    def __init__(self, kernels: CpuKernels, block_size: int = 16, num_threads: int = 2) -> None:
+    def __init__(
+        self, kernels: CpuKernels, block_size: int = 16, num_threads: int | None = None
+    ) -> None:
+        """`num_threads` (default: torch's intra-op thread count) bounds how many threads one
+        large step's attention uses."""
         super().__init__(block_size)
         self.kernels = kernels
-        self.num_threads = num_threads
-        self._pool = ThreadPoolExecutor(num_threads - 1) if num_threads > 1 else None
+        self.num_threads = num_threads or torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(self.num_threads - 1) if self.num_threads > 1 else None
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         query_lens, seq_lens = metadata.query_lens, metadata.seq_lens
