@@ -30,13 +30,7 @@ class _Fused:
     """Per-step arguments of `store_and_attend`, built once and shared by every layer."""
 
     tensors: tuple[torch.Tensor, ...]  # keeps the pointed-to buffers alive
-    slot_mapping: int
-    block_tables: int
-    max_blocks: int
-    query_start: int
-    seq_lens: int
-    mask_offsets: int
-    masks: int
+    step_args: tuple[int, ...]  # slot_mapping .. masks of the C signature, the same every layer
     seq_splits: tuple[tuple[int, int], ...]  # [begin, end) of sequences per call
 
 
@@ -75,13 +69,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         tables = metadata.block_tables.contiguous()
         metadata.backend_data = _Fused(
             tensors=(query_start, lens, mask_offsets, mask_bytes, tables, metadata.slot_mapping),
-            slot_mapping=metadata.slot_mapping.data_ptr(),
-            block_tables=tables.data_ptr(),
-            max_blocks=tables.shape[1],
-            query_start=query_start.data_ptr(),
-            seq_lens=lens.data_ptr(),
-            mask_offsets=mask_offsets.data_ptr(),
-            masks=mask_bytes.data_ptr(),
+            step_args=(
+                metadata.slot_mapping.data_ptr(),
+                tables.data_ptr(),
+                tables.shape[1],
+                self.block_size,
+                query_start.data_ptr(),
+                lens.data_ptr(),
+                mask_offsets.data_ptr(),
+                mask_bytes.data_ptr(),
+            ),
             seq_splits=self._splits(works, total),
         )
 
@@ -116,17 +113,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         num_kv_heads = key_cache.shape[2]
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
         head = (q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0))
-        cache = (key_cache.data_ptr(), value_cache.data_ptr(), p.slot_mapping, p.block_tables)
-        seqs = (p.max_blocks, self.block_size, p.query_start, p.seq_lens, p.mask_offsets, p.masks)
-        scale = 1.0 / math.sqrt(head_dim)
-        tail = (num_heads, num_kv_heads, head_dim, scale)
+        cache = (key_cache.data_ptr(), value_cache.data_ptr())
+        tail = (num_heads, num_kv_heads, head_dim, 1.0 / math.sqrt(head_dim))
         run = self.kernels.store_and_attend
         if len(p.seq_splits) == 1:
-            run(*head, *cache, *seqs, out.data_ptr(), 0, len(metadata.query_lens), *tail)
+            run(*head, *cache, *p.step_args, out.data_ptr(), 0, len(metadata.query_lens), *tail)
             return out
         assert self._pool is not None
         # K/V of every sequence are stored by its own call; calls touch disjoint slots.
-        calls = [(*head, *cache, *seqs, out.data_ptr(), b, e, *tail) for b, e in p.seq_splits]
+        calls = [
+            (*head, *cache, *p.step_args, out.data_ptr(), b, e, *tail) for b, e in p.seq_splits
+        ]
         pending = [self._pool.submit(run, *args) for args in calls[1:]]
         run(*calls[0])
         for f in pending:
