@@ -13,6 +13,9 @@ from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels.cpu import load_cpu_kernels
 
 H, KVH, D = 4, 2, 8
+HEAD_SHAPES = [(4, 2, 8), (9, 3, 64), (8, 8, 128), (6, 2, 40)]
+"""(query heads, key heads, head size): the C kernel has paths for 64 and 128, vector loops for
+multiples of 16 and scalar tails."""
 
 
 def _fused(block_size: int) -> AttentionBackend:
@@ -46,9 +49,10 @@ def dense_attention(
     v: torch.Tensor,  # [L, KVH, D]
     visible: torch.Tensor,  # [n, L] bool
 ) -> torch.Tensor:
-    k = k.repeat_interleave(H // KVH, dim=1).double()
-    v = v.repeat_interleave(H // KVH, dim=1).double()
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / D**0.5
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).double()
+    v = v.repeat_interleave(group, dim=1).double()
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / q.shape[2] ** 0.5
     scores = scores.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
@@ -67,9 +71,14 @@ def random_tree_mask(n: int, rng: random.Random) -> torch.Tensor:
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("with_trees", [False, True])
+@pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_paged_equals_dense(
-    make_backend: Callable[[int], AttentionBackend], block_size: int, with_trees: bool
+    make_backend: Callable[[int], AttentionBackend],
+    block_size: int,
+    with_trees: bool,
+    head_shape: tuple[int, int, int],
 ) -> None:
+    H, KVH, D = head_shape
     rng = random.Random(block_size * 2 + with_trees)
     backend = make_backend(block_size)
     num_blocks = 64

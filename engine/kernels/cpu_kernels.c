@@ -8,6 +8,9 @@
  *
  * Row strides are in floats. Tensors not described as strided are contiguous.
  */
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,10 +41,31 @@ static inline float exp_poly(float x) {
     return p * scale.f;
 }
 
+/* Without fast-math, compilers sum a vectorised reduction's lanes one after another (16
+ * dependent scalar adds for AVX-512); the intrinsics below add them as a tree instead. */
 static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
     float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        }
+        s = _mm512_reduce_add_ps(acc);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (n >= 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        }
+        const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        s = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+    }
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
@@ -101,11 +125,9 @@ void rope(float *x, int64_t x_stride, int64_t num_heads, int64_t head_dim,
     }
 }
 
-/* out = softmax(scores[0, num_keys)) . V, with V rows at value_cache + key_offsets[j] and
- * -inf for keys that are not visible. Overwrites scores with unnormalised probabilities. */
-static inline __attribute__((always_inline)) void softmax_values(
-    float *scores, int64_t num_keys, const float *value_cache, const int64_t *key_offsets,
-    float *out, const int64_t head_dim) {
+/* scores[j] = exp(scores[j] - max) over [0, num_keys), 0 where it was -inf; returns the sum. */
+static inline __attribute__((always_inline)) float softmax_in_place(float *scores,
+                                                                    int64_t num_keys) {
     float max = -INFINITY;
     for (int64_t j = 0; j < num_keys; j++) max = scores[j] > max ? scores[j] : max;
     float sum = 0.0f;
@@ -115,134 +137,91 @@ static inline __attribute__((always_inline)) void softmax_values(
         scores[j] = p;
         sum += p;
     }
-    float acc[256] = {0};
-    for (int64_t j = 0; j < num_keys; j++) {
-        const float p = scores[j];
-        if (p == 0.0f) continue;
-        const float *value = value_cache + key_offsets[j];
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; d++) acc[d] += p * value[d];
-    }
-    const float inv_sum = 1.0f / sum;
-#pragma omp simd
-    for (int64_t d = 0; d < head_dim; d++) out[d] = acc[d] * inv_sum;
+    return sum;
 }
 
-/* One query row against keys [0, num_keys) of a sequence: softmax(q . K^T * scale) . V.
- * key_offsets[j] is the float offset of key j's row in key_cache and value_cache; visible
- * (may be NULL: all visible) flags the keys this row may attend. scores has num_keys floats. */
-static inline __attribute__((always_inline)) void attend_row(
-    const float *q, const float *key_cache, const float *value_cache,
-    const int64_t *key_offsets, int64_t num_keys, const uint8_t *visible, float scale,
-    float *scores, float *out, const int64_t head_dim) {
-    for (int64_t j = 0; j < num_keys; j++) {
-        scores[j] = visible == NULL || visible[j]
-                        ? dot(q, key_cache + key_offsets[j], head_dim) * scale
-                        : -INFINITY;
-    }
-    softmax_values(scores, num_keys, value_cache, key_offsets, out, head_dim);
-}
-
+/* Query rows attended together, sharing each key and value row they read. */
 #define ROW_BLOCK 4
-#define KEY_TILE 16
-_Static_assert(ROW_BLOCK == 4, "the tile loop of attend_rows_tiled spells out four rows");
-/* Query rows per key head from which attend_rows_tiled beats one dot product per key. */
-#define TILED_MIN_ROWS 8
 
-/* Every query row of one key head at once, for many rows (draft trees, short prompt chunks):
- * the keys are transposed into key_t [head_dim, padded] (padded = seq_len rounded up to
- * KEY_TILE) and scores come from ROW_BLOCK x KEY_TILE register tiles, with no horizontal sums.
- * Rows are (i, g) for new token i and head kv_head * group + g. scores has room for
- * q_len * group * padded floats. */
-static inline __attribute__((always_inline)) void attend_rows_tiled(
+/* Query rows r0 .. r0 + ROWS - 1 of key head kv_head in one sequence, where row r is new token
+ * i = r / group under query head kv_head * group + r % group: one pass over the keys gives every
+ * row's scores, one over the values every row's output, so each key and value row is read once
+ * for the ROWS query rows that share it. scores has room for ROW_BLOCK * seq_len floats. */
+static inline __attribute__((always_inline)) void attend_rows_grouped(
     const float *q, int64_t q_stride, const float *keys, const float *values,
     const int64_t *key_offsets, int64_t q_first, int64_t q_len, int64_t seq_len,
     const uint8_t *mask, float *out, int64_t num_heads, int64_t kv_head, int64_t group,
-    float scale, float *scores, float *key_t, const int64_t head_dim) {
-    const int64_t ctx_len = seq_len - q_len, num_rows = q_len * group;
-    const int64_t padded = (seq_len + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
-    for (int64_t j = 0; j < seq_len; j++) {
-        const float *key = keys + key_offsets[j];
-        for (int64_t d = 0; d < head_dim; d++) key_t[d * padded + j] = key[d];
-    }
-    for (int64_t d = 0; d < head_dim; d++) {
-        for (int64_t j = seq_len; j < padded; j++) key_t[d * padded + j] = 0.0f;
-    }
-    for (int64_t r0 = 0; r0 < num_rows; r0 += ROW_BLOCK) {
-        const float *rows[ROW_BLOCK];
-        for (int64_t b = 0; b < ROW_BLOCK; b++) {
-            const int64_t r = r0 + b < num_rows ? r0 + b : num_rows - 1;
-            const int64_t head = kv_head * group + r % group;
-            rows[b] = q + (q_first + r / group) * q_stride + head * head_dim;
-        }
-        for (int64_t j0 = 0; j0 < padded; j0 += KEY_TILE) {
-            float acc[ROW_BLOCK][KEY_TILE] = {{0}};
-            for (int64_t d = 0; d < head_dim; d++) {
-                const float *kt = key_t + d * padded + j0;
-                const float a0 = rows[0][d], a1 = rows[1][d], a2 = rows[2][d], a3 = rows[3][d];
-#pragma omp simd
-                for (int64_t t = 0; t < KEY_TILE; t++) {
-                    acc[0][t] += a0 * kt[t];
-                    acc[1][t] += a1 * kt[t];
-                    acc[2][t] += a2 * kt[t];
-                    acc[3][t] += a3 * kt[t];
-                }
-            }
-            for (int64_t b = 0; b < ROW_BLOCK && r0 + b < num_rows; b++) {
-                memcpy(scores + (r0 + b) * padded + j0, acc[b], sizeof(acc[b]));
-            }
-        }
-    }
-    for (int64_t r = 0; r < num_rows; r++) {
-        const int64_t i = r / group, head = kv_head * group + r % group;
-        float *row = scores + r * padded;
+    float scale, float *scores, int64_t r0, const int64_t ROWS, const int64_t head_dim) {
+    const int64_t ctx_len = seq_len - q_len;
+    const float *rows[ROW_BLOCK];
+    float *row_out[ROW_BLOCK];
+    int64_t first_new[ROW_BLOCK];
+    int64_t num_keys = 0;
+    for (int64_t b = 0; b < ROWS; b++) {
+        const int64_t r = r0 + b, i = r / group, head = kv_head * group + r % group;
+        rows[b] = q + (q_first + i) * q_stride + head * head_dim;
+        row_out[b] = out + ((q_first + i) * num_heads + head) * head_dim;
+        first_new[b] = i;
         /* Causal rows see keys [0, ctx_len + i]; tree rows the context and their mask. */
-        const int64_t num_keys = mask != NULL ? seq_len : ctx_len + i + 1;
-        for (int64_t j = 0; j < num_keys; j++) {
-            const int visible = j < ctx_len || mask == NULL || mask[i * q_len + j - ctx_len];
-            row[j] = visible ? row[j] * scale : -INFINITY;
+        const int64_t n = mask != NULL ? seq_len : ctx_len + i + 1;
+        num_keys = n > num_keys ? n : num_keys;
+    }
+    for (int64_t j = 0; j < num_keys; j++) {
+        const float *key = keys + key_offsets[j];
+        for (int64_t b = 0; b < ROWS; b++) {
+            scores[b * seq_len + j] = dot(rows[b], key, head_dim) * scale;
         }
-        softmax_values(row, num_keys, values, key_offsets,
-                       out + ((q_first + i) * num_heads + head) * head_dim, head_dim);
+    }
+    float inv_sum[ROW_BLOCK];
+    for (int64_t b = 0; b < ROWS; b++) {
+        float *row = scores + b * seq_len;
+        const int64_t i = first_new[b];
+        for (int64_t j = ctx_len; j < num_keys; j++) {
+            const int visible = mask != NULL ? mask[i * q_len + j - ctx_len] : j <= ctx_len + i;
+            if (!visible) row[j] = -INFINITY;
+        }
+        inv_sum[b] = 1.0f / softmax_in_place(row, num_keys);
+    }
+    float acc[ROW_BLOCK][256];
+    for (int64_t b = 0; b < ROWS; b++) memset(acc[b], 0, (size_t)head_dim * sizeof(float));
+    for (int64_t j = 0; j < num_keys; j++) {
+        const float *value = values + key_offsets[j];
+        for (int64_t b = 0; b < ROWS; b++) {
+            const float p = scores[b * seq_len + j];
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) acc[b][d] += p * value[d];
+        }
+    }
+    for (int64_t b = 0; b < ROWS; b++) {
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) row_out[b][d] = acc[b][d] * inv_sum[b];
     }
 }
 
-/* Sequence s of store_and_attend: every new token, every head. scores and key_t have room for
- * the tiled path (attend_rows_tiled) when it applies. */
+/* Sequence s of store_and_attend: every new token, every head. */
 static inline __attribute__((always_inline)) void attend_sequence(
     const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
     const int32_t *table, int64_t block_size, int64_t q_first, int64_t q_len, int64_t seq_len,
     const uint8_t *mask, float *out, int64_t num_heads, int64_t num_kv_heads, float scale,
-    int64_t *key_offsets, uint8_t *visible, float *scores, float *key_t,
-    const int64_t head_dim) {
-    const int64_t group = num_heads / num_kv_heads, ctx_len = seq_len - q_len;
+    int64_t *key_offsets, float *scores, const int64_t head_dim) {
+    const int64_t group = num_heads / num_kv_heads, num_rows = q_len * group;
     for (int64_t j = 0; j < seq_len; j++) {
         const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
         key_offsets[j] = slot * num_kv_heads * head_dim;
     }
-    if (q_len * group >= TILED_MIN_ROWS) {
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            attend_rows_tiled(q, q_stride, key_cache + h * head_dim, value_cache + h * head_dim,
-                              key_offsets, q_first, q_len, seq_len, mask, out, num_heads, h,
-                              group, scale, scores, key_t, head_dim);
-        }
-        return;
-    }
-    memset(visible, 1, (size_t)seq_len);
-    for (int64_t i = 0; i < q_len; i++) {
-        /* Causal rows see keys [0, ctx_len + i]; tree rows see the context and their mask. */
-        int64_t num_keys = ctx_len + i + 1;
-        const uint8_t *row_visible = NULL;
-        if (mask != NULL) {
-            num_keys = seq_len;
-            memcpy(visible + ctx_len, mask + i * q_len, (size_t)q_len);
-            row_visible = visible;
-        }
-        for (int64_t h = 0; h < num_heads; h++) {
-            const int64_t head_offset = h / group * head_dim;
-            attend_row(q + (q_first + i) * q_stride + h * head_dim, key_cache + head_offset,
-                       value_cache + head_offset, key_offsets, num_keys, row_visible, scale,
-                       scores, out + ((q_first + i) * num_heads + h) * head_dim, head_dim);
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        for (int64_t r0 = 0; r0 < num_rows; r0 += ROW_BLOCK) {
+            const int64_t rows = num_rows - r0 < ROW_BLOCK ? num_rows - r0 : ROW_BLOCK;
+#define GROUPED(n)                                                                             \
+    attend_rows_grouped(q, q_stride, key_cache + h * head_dim, value_cache + h * head_dim,     \
+                        key_offsets, q_first, q_len, seq_len, mask, out, num_heads, h, group,  \
+                        scale, scores, r0, n, head_dim)
+            /* A constant row count keeps the rows' dot products and accumulators apart. */
+            if (rows == 1) GROUPED(1);
+            else if (rows == 2) GROUPED(2);
+            else if (rows == 3) GROUPED(3);
+            else GROUPED(4);
+#undef GROUPED
         }
     }
 }
@@ -275,23 +254,13 @@ void store_and_attend(const float *q, int64_t q_stride, const float *k, const fl
         memcpy(key_cache + slot_mapping[t] * kv_row, k + t * kv_stride, kv_row * sizeof(float));
         memcpy(value_cache + slot_mapping[t] * kv_row, v + t * kv_stride, kv_row * sizeof(float));
     }
-    const int64_t group = num_heads / num_kv_heads;
-    int64_t max_len = 1, max_scores = 1, max_key_t = 1;
+    int64_t max_len = 1;
     for (int64_t s = seq_begin; s < seq_end; s++) {
-        const int64_t len = seq_lens[s], rows = (query_start[s + 1] - query_start[s]) * group;
-        const int64_t padded = (len + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
-        max_len = len > max_len ? len : max_len;
-        max_scores = len > max_scores ? len : max_scores;
-        if (rows >= TILED_MIN_ROWS) {
-            max_scores = rows * padded > max_scores ? rows * padded : max_scores;
-            max_key_t = head_dim * padded > max_key_t ? head_dim * padded : max_key_t;
-        }
+        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     }
     int64_t *key_offsets = malloc((size_t)max_len * sizeof(int64_t));
-    uint8_t *visible = malloc((size_t)max_len);
-    float *scores = malloc((size_t)max_scores * sizeof(float));
-    float *key_t = malloc((size_t)max_key_t * sizeof(float));
-    if (key_offsets == NULL || visible == NULL || scores == NULL || key_t == NULL) abort();
+    float *scores = malloc((size_t)(ROW_BLOCK * max_len) * sizeof(float));
+    if (key_offsets == NULL || scores == NULL) abort();
     for (int64_t s = seq_begin; s < seq_end; s++) {
         const int64_t q_first = query_start[s], q_len = query_start[s + 1] - q_first;
         const int32_t *table = block_tables + s * max_blocks;
@@ -299,7 +268,7 @@ void store_and_attend(const float *q, int64_t q_stride, const float *k, const fl
 #define ATTEND_SEQUENCE(dim)                                                                   \
     attend_sequence(q, q_stride, key_cache, value_cache, table, block_size, q_first, q_len,    \
                     seq_lens[s], mask, out, num_heads, num_kv_heads, scale, key_offsets,       \
-                    visible, scores, key_t, dim)
+                    scores, dim)
         /* Constant head sizes let the compiler unroll the dot products and keep a row's
          * output accumulator in registers. */
         if (head_dim == 64) ATTEND_SEQUENCE(64);
@@ -308,7 +277,5 @@ void store_and_attend(const float *q, int64_t q_stride, const float *k, const fl
 #undef ATTEND_SEQUENCE
     }
     free(key_offsets);
-    free(visible);
     free(scores);
-    free(key_t);
 }
