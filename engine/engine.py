@@ -37,6 +37,17 @@ class EngineOutput(RequestOutput):
     gained `num_accepted_tokens` of those drafts plus one token of its own."""
 
 
+@dataclass(frozen=True)
+class StepStates:
+    """What a request's plain steps computed for each token they sampled, in order: row n is the
+    final-norm hidden state the n-th sampled token was drawn from (after reading the token
+    before it) and the top-k of that row's raw next-token log-probabilities."""
+
+    hidden_states: torch.Tensor  # [n, hidden] float32, CPU
+    top_ids: torch.Tensor  # [n, k] int64
+    top_logprobs: torch.Tensor  # [n, k] float32
+
+
 @dataclass
 class _Verification:
     """A draft tree being verified: the request, its tree, its first logits row, and the
@@ -86,6 +97,8 @@ class LLMEngine:
         self._hidden_states: dict[str, torch.Tensor] = {}  # [hidden] where the last token came
         self._generators: dict[str, torch.Generator | None] = {}
         self._logits: dict[str, list[torch.Tensor]] | None = None
+        self._states_top_k = 0
+        self._states: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
     def record_logits(self, enabled: bool) -> None:
@@ -94,6 +107,21 @@ class LLMEngine:
 
     def pop_logits(self, request_id: str) -> list[torch.Tensor]:
         return [] if self._logits is None else self._logits.pop(request_id, [])
+
+    def record_states(self, top_k: int) -> None:
+        """Keep `StepStates` with the `top_k` log-probabilities (0: stop keeping them) for every
+        token a plain step samples (not for tokens accepted from draft trees): the inputs and
+        targets of speculator training."""
+        self._states_top_k = top_k
+        self._states = {}
+
+    def pop_states(self, request_id: str) -> StepStates | None:
+        """The request's recorded states, or None when none were recorded."""
+        parts = self._states.pop(request_id, None)
+        if not parts:
+            return None
+        hidden, top_ids, top_logprobs = (torch.cat(t) for t in zip(*parts, strict=True))
+        return StepStates(hidden, top_ids, top_logprobs)
 
     def add_request(
         self,
@@ -215,9 +243,10 @@ class LLMEngine:
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if sampling:
             rows = torch.tensor(sample_rows, dtype=torch.int64)
-            token_ids, details = self._sample(
-                out.logits.index_select(0, rows), sampling, [[] for _ in sampling]
-            )
+            logits = out.logits.index_select(0, rows)
+            if self._states_top_k:
+                self._record_states(sampling, out.hidden_states.index_select(0, rows), logits)
+            token_ids, details = self._sample(logits, sampling, [[] for _ in sampling])
             picked = zip(sampling, sample_rows, token_ids, details, strict=True)
             for req, row, token, detail in picked:
                 sampled[req.request_id] = [token]
@@ -234,6 +263,20 @@ class LLMEngine:
                     logprobs[request_id] = [d for d in v.details if d is not None]
                 depths[request_id] = v.tree.depth
         return sampled, logprobs, depths
+
+    def _record_states(
+        self,
+        reqs: list[Request],
+        hidden_states: torch.Tensor,  # [len(reqs), hidden]
+        logits: torch.Tensor,  # [len(reqs), vocab], raw
+    ) -> None:
+        top, top_ids = logits.float().topk(self._states_top_k, dim=-1)
+        top_logprobs = (top - logits.float().logsumexp(-1, keepdim=True)).cpu()
+        hidden, top_ids = hidden_states.float().cpu(), top_ids.cpu()
+        for i, req in enumerate(reqs):
+            self._states.setdefault(req.request_id, []).append(
+                (hidden[i : i + 1], top_ids[i : i + 1], top_logprobs[i : i + 1])
+            )
 
     def _sample(
         self, logits: torch.Tensor, reqs: list[Request], emitted: list[list[int]]

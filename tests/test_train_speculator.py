@@ -251,3 +251,29 @@ def test_data_from_the_engine_and_offline_eval(tiny: Path, tmp_path: Path) -> No
     assert stats.num_steps > 0 and stats.num_steps <= stats.num_tokens <= 4 * stats.num_steps
     assert stats.reached[0] == stats.num_steps
     assert "tokens per step" in stats.table()
+
+
+def test_answer_rows_match_a_prefill_pass_over_the_same_sequences(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """The states and teachers recorded while decoding equal those a prefill pass of the same
+    runner computes over each finished sequence (the independent oracle), row for row."""
+    settings = AnswerSettings(max_new_tokens=12, temperature=1.0, top_k=50, batch_size=3)
+    builder = DataBuilder(tiny, tmp_path / "data", settings=settings, progress=quiet)
+    prompts = [[5, 9, 2], [7, 7, 1, 4, 30], [11], [3, 8]]
+    answers = dict(
+        builder.generate([(f"r{i}", p, i % 2 == 1, 100 + i) for i, p in enumerate(prompts)])
+    )
+    for i, prompt in enumerate(prompts):
+        answer = answers[f"r{i}"]
+        rows = answer.rows(0)
+        assert rows is not None and len(rows) == len(answer.token_ids) - 1
+        reference = builder.collect([prompt + answer.token_ids], [len(prompt) - 1], [False])
+        n = len(rows)
+        torch.testing.assert_close(rows.states, reference.states[:n], atol=1e-4, rtol=1e-4)
+        assert torch.equal(rows.tokens, reference.tokens[:n])
+        assert torch.equal(rows.teacher_ids[:, 0], reference.teacher_ids[:n, 0])
+        torch.testing.assert_close(
+            rows.teacher_logprobs, reference.teacher_logprobs[:n], atol=1e-4, rtol=1e-4
+        )
+    builder.close()

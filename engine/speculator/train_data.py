@@ -2,8 +2,7 @@
 
 Stage 2 data are the base model's own answers to chat prompts (greedy, and a seeded sampled
 share), generated in large batches by this project's engine; stage 1 data are windows of plain
-text. For either, one prefill pass of the engine's ModelRunner over each whole sequence gives, at
-every trained position t,
+text. Every trained position t of a sequence gives one row:
 
     state    h_t        the final-norm hidden state after reading x_0..x_t (what the engine hands
                         the speculator at inference)
@@ -12,8 +11,10 @@ every trained position t,
 
 so head i at position t is taught the base model's own prediction for x_{t+2+i}: on greedy
 answers that is the answer's next token, and on sampled answers and text it is the token greedy
-verification would accept after that prefix. The ModelRunner (not transformers) computes the
-states so that training sees exactly the numbers the engine feeds the speculator when serving.
+verification would accept after that prefix. Answers take states and teachers from the decode
+steps that generated them (`LLMEngine.record_states`), exactly the numbers the engine feeds the
+speculator when serving, at no extra cost; text takes them from prefill passes of the engine's
+ModelRunner.
 
 Each chunk of sequences is one safetensors shard in the cache folder, named by a hash of
 everything that determines it (base model, prompts or text, settings), so reruns load it and a
@@ -26,7 +27,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerBase
 
+from engine.engine import StepStates
 from engine.llm import LLM
 from engine.model_runner import SequenceInput
 from engine.sampling_params import SamplingParams
@@ -42,7 +44,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 TEACHER_TOP_K = 8
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class AnswerSettings:
     sampled_fraction: float = 0.25
     temperature: float = 0.8
     top_k: int = 20
-    batch_size: int = 64
+    batch_size: int = 128
     chunk_size: int = 128
     seed: int = 0
 
@@ -150,6 +152,32 @@ class SpeculatorData:
         )
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A generated answer: its token ids, finish reason and the states of the steps that
+    sampled them (`states` row n drew `token_ids[n]`)."""
+
+    token_ids: list[int]
+    finish_reason: str
+    states: StepStates | None
+
+    def rows(self, sequence: int) -> SpeculatorData | None:
+        """Rows for the answer's tokens but the last (whose teacher no step computed), numbered
+        `sequence`; None for answers of fewer than two tokens."""
+        n = len(self.token_ids) - 1
+        if n < 1 or self.states is None:
+            return None
+        st = self.states
+        return SpeculatorData(
+            states=st.hidden_states[:n].contiguous(),
+            tokens=torch.tensor(self.token_ids[:n], dtype=torch.int64),
+            teacher_ids=st.top_ids[1 : n + 1].contiguous(),
+            teacher_logprobs=st.top_logprobs[1 : n + 1].contiguous(),
+            teacher_valid=torch.ones(n, dtype=torch.bool),
+            sequence=torch.full((n,), sequence, dtype=torch.int64),
+        )
+
+
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[list[int]]:
     """Token ids of each prompt as a user turn under the tokenizer's chat template (the plain
     encoding when it has none), ready for generation."""
@@ -218,10 +246,10 @@ class DataBuilder:
         self._llm = None
 
     def answers(self, prompts: Sequence[str]) -> SpeculatorData:
-        """Stage-2 data for `prompts`: a shard per `chunk_size` prompts, cached. Shards are
-        answered one at a time: prompts that start together keep similar lengths, which the
-        padded decode attention prefers (640 prompts answered at once ran at 134 tokens/s,
-        128 at a time at 150-170)."""
+        """Stage-2 data for `prompts`: a shard per `chunk_size` prompts, cached. The prompts of
+        every missing shard go through the engine together, so that continuous batching keeps
+        `batch_size` answers decoding until the last few; each shard is saved once its answers
+        are all done."""
         s = self.settings
         chunks = [prompts[i : i + s.chunk_size] for i in range(0, len(prompts), s.chunk_size)]
         paths = [
@@ -229,9 +257,9 @@ class DataBuilder:
             ".safetensors"
             for i, c in enumerate(chunks)
         ]
-        for i, path in enumerate(paths):
-            if not path.is_file():
-                self._make_answers({i: list(chunks[i])}, paths)
+        missing = {i: list(chunks[i]) for i, path in enumerate(paths) if not path.is_file()}
+        if missing:
+            self._make_answers(missing, paths)
         return SpeculatorData.cat([SpeculatorData.load(p) for p in paths], self.hidden_size)
 
     def text(
@@ -271,65 +299,59 @@ class DataBuilder:
         data.save(path)
 
     def _make_answers(self, chunks: dict[int, list[str]], paths: Sequence[Path]) -> None:
-        """Answer the prompts of `chunks` (shard index -> prompts) together, then compute and save
-        each shard's rows to `paths[index]` (with a JSONL of its answers)."""
+        """Answer the prompts of `chunks` (shard index -> prompts) and save each shard's rows to
+        `paths[index]` (with a JSONL of its answers) as soon as its last answer is done."""
         s = self.settings
         started = time.perf_counter()
         tokenizer = self.llm.tokenizer
-        prompt_ids: dict[int, list[list[int]]] = {}
         sampled: dict[int, list[bool]] = {}
         requests: list[tuple[str, list[int], bool, int]] = []
         for index, prompts in chunks.items():
             seed = s.seed * 1_000_003 + index
             rng = torch.Generator().manual_seed(seed)
-            prompt_ids[index] = chat_prompt_ids(tokenizer, prompts)
+            prompt_ids = chat_prompt_ids(tokenizer, prompts)
             sampled[index] = (torch.rand(len(prompts), generator=rng) < s.sampled_fraction).tolist()
-            for k, (one, how) in enumerate(zip(prompt_ids[index], sampled[index], strict=True)):
-                requests.append((f"train-{index}-{k}", one, how, seed + k))
-        answers = self.generate(requests)
-        num_tokens = sum(len(a) for a, _ in answers.values())
-        generated = time.perf_counter() - started
-        self.progress(
-            f"answered {len(requests)} prompts: {num_tokens} tokens in {generated:.0f}s "
-            f"({num_tokens / max(generated, 1e-9):.0f} tok/s)"
-        )
-        for index, prompts in chunks.items():
-            started = time.perf_counter()
-            shard = [answers[f"train-{index}-{k}"] for k in range(len(prompts))]
-            data = self.collect(
-                [p + a for p, (a, _) in zip(prompt_ids[index], shard, strict=True)],
-                [len(p) - 1 for p in prompt_ids[index]],
-                [reason == "EOS_TOKEN" for _, reason in shard],
-            )
+            for k, (one, how) in enumerate(zip(prompt_ids, sampled[index], strict=True)):
+                requests.append((f"{index}-{k}", one, how, seed + k))
+        done: dict[int, dict[int, Answer]] = {index: {} for index in chunks}
+        num_tokens = 0
+        for request_id, answer in self.generate(requests):
+            index, k = (int(part) for part in request_id.split("-"))
+            done[index][k] = answer
+            num_tokens += len(answer.token_ids)
+            if len(done[index]) < len(chunks[index]):
+                continue
+            finished = done.pop(index)
+            shard = [finished[k] for k in range(len(chunks[index]))]
+            parts = [a.rows(k) for k, a in enumerate(shard)]
+            data = SpeculatorData.cat([p for p in parts if p is not None], self.hidden_size)
             self._save(data, paths[index])
             with paths[index].with_suffix(".jsonl").open("w") as f:
-                for prompt, (answer, reason), how in zip(
-                    prompts, shard, sampled[index], strict=True
-                ):
+                for prompt, answer, how in zip(chunks[index], shard, sampled[index], strict=True):
                     record = {
                         "prompt": prompt,
-                        "answer": tokenizer.decode(answer, skip_special_tokens=True),
+                        "answer": tokenizer.decode(answer.token_ids, skip_special_tokens=True),
                         "sampled": how,
-                        "finish_reason": reason,
-                        "num_tokens": len(answer),
+                        "finish_reason": answer.finish_reason,
+                        "num_tokens": len(answer.token_ids),
                     }
                     f.write(json.dumps(record) + "\n")
+            seconds = time.perf_counter() - started
             self.progress(
-                f"answers shard {index}: {len(data)} positions, states in "
-                f"{time.perf_counter() - started:.0f}s"
+                f"answers shard {index}: {len(data)} positions; {num_tokens} tokens in "
+                f"{seconds:.0f}s ({num_tokens / max(seconds, 1e-9):.0f} tok/s)"
             )
 
     def generate(
         self, requests: Sequence[tuple[str, list[int], bool, int]]
-    ) -> dict[str, tuple[list[int], str]]:
+    ) -> Iterator[tuple[str, Answer]]:
         """Answer every `(request_id, prompt_ids, sampled, seed)` through the engine's continuous
-        batching: greedy, or sampling seeded with `seed` where `sampled`. Returns each request's
-        answer token ids and finish reason."""
+        batching: greedy, or sampling seeded with `seed` where `sampled`, recording the states
+        and teachers of every step. Yields each answer when it is finished."""
         s = self.settings
         engine = self.llm.engine
         greedy = SamplingParams(max_new_tokens=s.max_new_tokens)
         tokens: dict[str, list[int]] = {}
-        reasons: dict[str, str] = {}
         for request_id, prompt, how, seed in requests:
             params = greedy
             if how:
@@ -341,12 +363,20 @@ class DataBuilder:
                 )
             tokens[request_id] = []
             engine.add_request(request_id, list(prompt), params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-                if out.finish_reason is not None:
-                    reasons[out.request_id] = out.finish_reason.value
-        return {i: (t, reasons.get(i, "")) for i, t in tokens.items()}
+        engine.record_states(TEACHER_TOP_K)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens[out.request_id] += out.new_token_ids
+                    if out.finish_reason is not None:
+                        answer = Answer(
+                            tokens.pop(out.request_id),
+                            out.finish_reason.value,
+                            engine.pop_states(out.request_id),
+                        )
+                        yield out.request_id, answer
+        finally:
+            engine.record_states(0)
 
     @torch.inference_mode()
     def collect(
