@@ -22,6 +22,7 @@ from engine import LLM
 from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
 from engine.speculator.loader import load_speculator
+from engine.speculator.mlp_speculator import CANDIDATE_SELECTIONS
 from engine.speculator.proposer import use_engine_linears
 from engine.speculator.tree import DraftTree
 from tests.reference import CHAT_PROMPTS
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=default_model_path())
     parser.add_argument("--top-k", type=int, nargs="+", default=[5, 3, 2])
     parser.add_argument("--candidates", type=int, default=5)
+    parser.add_argument("--selection", choices=CANDIDATE_SELECTIONS, default="coverage")
     parser.add_argument("--worst-case", action="store_true")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
@@ -68,7 +70,9 @@ def main() -> None:
     state, last = out.hidden_states, out.logits.argmax(-1)
 
     def draft() -> torch.Tensor:
-        return speculator.generate_candidates(state, last, args.top_k, args.candidates)[0]
+        return speculator.generate_candidates(
+            state, last, args.top_k, args.candidates, args.selection
+        )[0]
 
     paths = draft()[0].tolist()
     plain_draft_s = best_of(draft, args.repeats)

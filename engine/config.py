@@ -195,6 +195,13 @@ class ServerConfig:
             env=("SPECULATOR_TOP_K_TOKENS_PER_HEAD", "SPECULATOR_THRESHES"),
         ),
     )
+    speculator_candidate_selection: str = field(
+        default="coverage",
+        metadata=_meta(
+            "How candidates are picked from the tree: coverage (each adds the most expected "
+            "accepted drafts) or joint (highest path probability, as fms-extras)."
+        ),
+    )
     speculator_max_batch_size: int = field(
         default=16,
         metadata=_meta("Speculate only while at most this many requests run."),
@@ -250,6 +257,11 @@ class ServerConfig:
                 f"speculator_max_batch_size must be >= 0, got {self.speculator_max_batch_size}"
             )
         self.speculator_top_k()
+        if self.speculator_candidate_selection not in ("coverage", "joint"):
+            raise ValueError(
+                "speculator_candidate_selection must be coverage or joint, got "
+                f"{self.speculator_candidate_selection!r}"
+            )
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
             raise ValueError("tls: must provide both cert and key")
         if self.tls_client_ca_cert_path is not None and self.tls_cert_path is None:

@@ -72,13 +72,19 @@ def _load_proposer(config: ServerConfig, runner: ModelRunner) -> MLPProposer | N
         device=runner.device,
         n_predict=config.speculator_n_predict,
     )
-    proposer = MLPProposer(speculator, config.speculator_top_k(), config.speculator_n_candidates)
+    proposer = MLPProposer(
+        speculator,
+        config.speculator_top_k(),
+        config.speculator_n_candidates,
+        config.speculator_candidate_selection,
+    )
     logger.info(
-        "speculator %s: %d heads, top-k per head %s, %d candidates, up to batch size %d",
+        "speculator %s: %d heads, top-k per head %s, %d candidates by %s, up to batch size %d",
         config.speculator_path,
         speculator.config.n_predict,
         list(proposer.top_k_tokens_per_head),
         proposer.n_candidates,
+        proposer.selection,
         config.speculator_max_batch_size,
     )
     return proposer

@@ -473,5 +473,9 @@ def test_server_config_env_and_flags() -> None:
     assert (config.dtype, config.port) == ("float16", 1)
     with pytest.raises(ValueError, match="max_batch_size"):
         ServerConfig.from_env_and_args([], {"MAX_BATCH_SIZE": "0"})
+    with pytest.raises(ValueError, match="speculator_candidate_selection"):
+        ServerConfig.from_env_and_args([], {"SPECULATOR_CANDIDATE_SELECTION": "best"})
+    selection = ServerConfig.from_env_and_args([], {"SPECULATOR_CANDIDATE_SELECTION": "joint"})
+    assert selection.speculator_candidate_selection == "joint"
     with pytest.raises(ValueError, match="dtype"):
         ServerConfig.from_env_and_args([], {"DTYPE": "float16", "DTYPE_STR": "float32"})

@@ -119,6 +119,56 @@ def test_candidates_are_the_best_joint_paths(tie: bool, scale: bool) -> None:
         assert best[0].tolist() == paths[b, :5].tolist()
 
 
+def _reference_tree(
+    model: MLPSpeculator, state: torch.Tensor, token: int, top_k: tuple[int, ...]
+) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...], float]]:
+    """Every leaf path of the top-k tree in mixed-radix order, and the probability of every
+    path prefix (the product of its tokens' probabilities), from the reference recurrence."""
+    leaves: list[tuple[int, ...]] = []
+    prefix_prob: dict[tuple[int, ...], float] = {}
+    for ranks in itertools.product(*(range(k) for k in top_k)):
+        path: list[int] = []
+        score = 0.0
+        for i, r in enumerate(ranks):
+            logprobs = _reference_path_logprobs(model, state, token, [*path, 0])
+            order = logprobs[i].argsort(descending=True)
+            path.append(int(order[r]))
+            score += float(logprobs[i][order[r]])
+            prefix_prob[tuple(path)] = math.exp(score)
+        leaves.append(tuple(path))
+    return leaves, prefix_prob
+
+
+@pytest.mark.parametrize("top_k", [(4, 3, 2), (5, 1, 1), (2, 2, 2)])
+def test_coverage_candidates_add_the_most_expected_accepted_drafts(top_k: tuple[int, ...]) -> None:
+    model = _random_speculator(scale=True)
+    states = 3 * torch.randn(3, 24, generator=torch.Generator().manual_seed(4))
+    tokens = torch.tensor([3, 17, 40])
+    n = 5
+    paths, scores = model.generate_candidates(states, tokens, top_k, n, selection="coverage")
+    for b in range(3):
+        leaves, prefix_prob = _reference_tree(model, states[b], int(tokens[b]), top_k)
+        covered: set[tuple[int, ...]] = set()
+        expected: list[tuple[int, ...]] = []
+        for _ in range(n):
+            gains = [
+                -1.0
+                if leaf in expected
+                else sum(
+                    prefix_prob[leaf[: d + 1]]
+                    for d in range(len(leaf))
+                    if leaf[: d + 1] not in covered
+                )
+                for leaf in leaves
+            ]
+            pick = leaves[max(range(len(leaves)), key=lambda j: (gains[j], -j))]
+            expected.append(pick)
+            covered.update(pick[: d + 1] for d in range(len(pick)))
+        assert [tuple(p) for p in paths[b].tolist()] == expected
+        for path, score in zip(expected, scores[b].tolist(), strict=True):
+            assert math.exp(score) == pytest.approx(prefix_prob[path], rel=1e-4)
+
+
 def test_teacher_forced_forward_matches_the_recurrence() -> None:
     model = _random_speculator(scale=True)
     state = torch.randn(1, 4, 24, generator=torch.Generator().manual_seed(2))

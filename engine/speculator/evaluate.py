@@ -31,6 +31,7 @@ class SpeculationStats:
 
     top_k_tokens_per_head: tuple[int, ...]
     n_candidates: int
+    selection: str = "coverage"
     num_prompts: int = 0
     num_steps: int = 0
     num_tokens: int = 0
@@ -61,7 +62,8 @@ class SpeculationStats:
     def table(self) -> str:
         """A plain-text report."""
         lines = [
-            f"tree top-k {list(self.top_k_tokens_per_head)} x {self.n_candidates} candidates, "
+            f"tree top-k {list(self.top_k_tokens_per_head)} x {self.n_candidates} candidates "
+            f"({self.selection}), "
             f"{self.num_prompts} prompts, {self.generated_tokens} tokens in "
             f"{self.seconds:.0f}s",
             f"mean tokens per step: {self.tokens_per_step:.3f} "
@@ -84,6 +86,7 @@ def evaluate_speculator(
     max_new_tokens: int = 128,
     top_k_tokens_per_head: Sequence[int] | None = None,
     n_candidates: int | None = None,
+    candidate_selection: str = "coverage",
     batch_size: int = 16,
     dtype: str | None = None,
     device: str = "cpu",
@@ -100,6 +103,7 @@ def evaluate_speculator(
         speculator=speculator_path,
         top_k_tokens_per_head=top_k_tokens_per_head,
         n_candidates=n_candidates,
+        candidate_selection=candidate_selection,
         spec_max_batch_size=batch_size,
         adaptive_speculation=False,
     )
@@ -108,6 +112,7 @@ def evaluate_speculator(
     stats = SpeculationStats(
         top_k_tokens_per_head=tuple(getattr(proposer, "top_k_tokens_per_head", ())),
         n_candidates=proposer.num_candidates,
+        selection=candidate_selection,
         num_prompts=len(prompts),
         reached=[0] * proposer.num_heads,
         accepted=[0] * proposer.num_heads,

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 MODEL_TYPE = "mlp_speculator"
+CANDIDATE_SELECTIONS = ("joint", "coverage")
 _EPS = 1e-6
 
 
@@ -99,6 +100,39 @@ class MLPSpeculatorConfig:
         d = asdict(self)
         d["top_k_tokens_per_head"] = list(self.top_k_tokens_per_head)
         return {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": MODEL_TYPE, **d}
+
+
+def select_by_coverage(
+    prefix_scores: Sequence[torch.Tensor],  # per depth d: [B, F_d] summed log-probabilities
+    n_candidates: int,
+) -> torch.Tensor:  # [B, N] int64 leaf indices, in the order picked
+    """Greedy tree building over a mixed-radix tree whose depth-d nodes have the summed
+    log-probabilities `prefix_scores[d]` (the last entry holds the leaves). Under the draft
+    probabilities, a node is accepted with the probability of its whole path, so a set of
+    paths is expected to gain the sum of those probabilities over the nodes it contains. Each
+    pick is the leaf whose path adds the most to that sum; ties go to the lower leaf index.
+    Unlike the best joint paths, which crowd behind a confident first token, this spreads the
+    paths over the first tokens when the first head is unsure and deepens them when it is not.
+    """
+    num_leaves = prefix_scores[-1].shape[1]
+    leaves = torch.arange(num_leaves, device=prefix_scores[-1].device)
+    ancestors = [leaves // (num_leaves // level.shape[1]) for level in prefix_scores]  # [L] each
+    probs = [level.exp()[:, a] for level, a in zip(prefix_scores, ancestors, strict=True)]
+    covered = [torch.zeros_like(level, dtype=torch.bool) for level in prefix_scores]
+    rows = torch.arange(prefix_scores[-1].shape[0], device=leaves.device)
+    picks: list[torch.Tensor] = []
+    for _ in range(n_candidates):
+        gain = sum(  # [B, L]
+            p.masked_fill(c[:, a], 0.0) for p, c, a in zip(probs, covered, ancestors, strict=True)
+        )
+        assert isinstance(gain, torch.Tensor)
+        if picks:
+            gain[rows[:, None], torch.stack(picks, 1)] = -1.0
+        pick = gain.argmax(-1)  # [B]
+        picks.append(pick)
+        for c, a in zip(covered, ancestors, strict=True):
+            c[rows, a[pick]] = True
+    return torch.stack(picks, 1)
 
 
 def check_tree_shape(n_predict: int, top_k: Sequence[int], n_candidates: int) -> None:
@@ -217,27 +251,39 @@ class MLPSpeculator(nn.Module):
         token_ids: torch.Tensor,  # [B] int64
         top_k_tokens_per_head: Sequence[int],
         n_candidates: int,
+        selection: str = "joint",
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, N, n] int64 paths, [B, N] float32 scores
-        """The `n_candidates` best draft paths by summed log-probability (best first), from a
-        tree that branches into the top `top_k_tokens_per_head[i]` tokens at head i. Children
-        carry their parent's new state; leaves are in mixed-radix order of their ranks before
-        the final top-k (fms-extras' `generate_suffixes`)."""
+        """`n_candidates` draft paths and their summed log-probabilities, from a tree that
+        branches into the top `top_k_tokens_per_head[i]` tokens at head i. Children carry their
+        parent's new state; leaves are in mixed-radix order of their ranks (fms-extras'
+        `generate_suffixes`). `selection` "joint" keeps the paths of highest summed
+        log-probability, best first (fms-extras); "coverage" picks paths one at a time, each
+        adding the most expected accepted drafts to those already picked (see
+        `select_by_coverage`)."""
         check_tree_shape(self.config.n_predict, top_k_tokens_per_head, n_candidates)
+        if selection not in CANDIDATE_SELECTIONS:
+            raise ValueError(f"selection must be one of {CANDIDATE_SELECTIONS}, got {selection!r}")
         batch = state.shape[0]
         s = self.initial_state(state).unsqueeze(1)  # [B, 1, d_in]
         tokens = token_ids.view(batch, 1)  # [B, F]: the frontier's tokens
         scores = torch.zeros(batch, 1, dtype=torch.float32, device=state.device)  # [B, F]
         paths = torch.zeros(batch, 1, 0, dtype=torch.int64, device=state.device)  # [B, F, i]
+        prefix_scores = []  # per head: [B, F] summed log-probabilities of the frontier
         for i, k in enumerate(top_k_tokens_per_head):
             s = self.stage(i, s, tokens)  # [B, F, d]
             logprobs = self.head[i](s).float().log_softmax(-1)  # [B, F, vocab]
             top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # [B, F, k]
             scores = (scores.unsqueeze(-1) + top_logprobs).flatten(1)  # [B, F*k]
+            prefix_scores.append(scores)
             paths = torch.cat(
                 [paths.unsqueeze(2).expand(-1, -1, k, -1), top_ids.unsqueeze(-1)], dim=-1
             ).flatten(1, 2)  # [B, F*k, i+1]
             s = s.unsqueeze(2).expand(-1, -1, k, -1).flatten(1, 2)  # [B, F*k, d]
             tokens = top_ids.flatten(1)  # [B, F*k]
-        best_scores, best = scores.topk(n_candidates, dim=-1)  # [B, N]
+        if selection == "coverage":
+            best = select_by_coverage(prefix_scores, n_candidates)
+            best_scores = scores.gather(1, best)
+        else:
+            best_scores, best = scores.topk(n_candidates, dim=-1)  # [B, N]
         best_paths = paths.gather(1, best.unsqueeze(-1).expand(-1, -1, paths.shape[-1]))
         return best_paths, best_scores

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.layers.linear import Linear, select_kernels
-from engine.speculator.mlp_speculator import MLPSpeculator, check_tree_shape
+from engine.speculator.mlp_speculator import CANDIDATE_SELECTIONS, MLPSpeculator, check_tree_shape
 from engine.speculator.tree import DraftTree
 
 
@@ -86,13 +86,19 @@ class MLPProposer:
         speculator: MLPSpeculator,
         top_k_tokens_per_head: Sequence[int] | None = None,
         n_candidates: int | None = None,
+        selection: str = "coverage",
     ) -> None:
-        """`top_k_tokens_per_head` and `n_candidates` override the speculator's config."""
+        """`top_k_tokens_per_head` and `n_candidates` override the speculator's config;
+        `selection` is how the candidates are picked from the tree
+        (`MLPSpeculator.generate_candidates`)."""
+        if selection not in CANDIDATE_SELECTIONS:
+            raise ValueError(f"selection must be one of {CANDIDATE_SELECTIONS}, got {selection!r}")
         config = speculator.config
         use_engine_linears(speculator)
         self.speculator = speculator
         self.top_k_tokens_per_head = tuple(top_k_tokens_per_head or config.top_k_tokens_per_head)
         self.n_candidates = n_candidates or config.n_candidates
+        self.selection = selection
         check_tree_shape(config.n_predict, self.top_k_tokens_per_head, self.n_candidates)
 
     @property
@@ -110,7 +116,7 @@ class MLPProposer:
         states = torch.stack([p.hidden_state for p in inputs]).to(param.device, param.dtype)
         last = torch.tensor([p.token_ids[-1] for p in inputs], device=param.device)
         paths, _ = self.speculator.generate_candidates(
-            states, last, self.top_k_tokens_per_head, self.n_candidates
+            states, last, self.top_k_tokens_per_head, self.n_candidates, self.selection
         )
         return [
             DraftTree.from_paths(candidates, p.max_depth)

@@ -40,7 +40,11 @@ from safetensors.torch import save_file
 
 from engine.models.llama import LlamaConfig
 from engine.paths import DEFAULT_MODEL_NAME, default_model_path, speculators_dir
-from engine.speculator.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.speculator.mlp_speculator import (
+    CANDIDATE_SELECTIONS,
+    MLPSpeculator,
+    MLPSpeculatorConfig,
+)
 from engine.speculator.train_data import AnswerSettings, DataBuilder, SpeculatorData
 from engine.speculator.train_model import (
     MATRIX_MODES,
@@ -491,6 +495,9 @@ def eval_main(argv: Sequence[str]) -> Path:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--top-k-tokens-per-head", type=_parse_ints, default=None)
     p.add_argument("--n-candidates", type=int, default=None)
+    p.add_argument(
+        "--selection", choices=CANDIDATE_SELECTIONS, default="coverage", help="candidate picking"
+    )
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None)
@@ -511,6 +518,7 @@ def eval_main(argv: Sequence[str]) -> Path:
         max_new_tokens=args.max_new_tokens,
         top_k_tokens_per_head=args.top_k_tokens_per_head,
         n_candidates=args.n_candidates,
+        candidate_selection=args.selection,
         batch_size=args.batch_size,
         device=args.device,
         dtype=args.dtype,
