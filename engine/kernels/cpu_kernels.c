@@ -65,8 +65,10 @@ static inline float dot(const float *a, const float *b, int64_t n) {
         s = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
     }
 #endif
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+    float tail = 0.0f;
+#pragma omp simd reduction(+ : tail)
+    for (int64_t j = i; j < n; j++) tail += a[j] * b[j];
+    return s + tail;
 }
 
 static void rms_norm_row(const float *x, const float *weight, float *out, int64_t d, float eps) {
