@@ -122,10 +122,9 @@ def select_by_coverage(
     rows = torch.arange(prefix_scores[-1].shape[0], device=leaves.device)
     picks: list[torch.Tensor] = []
     for _ in range(n_candidates):
-        gain = sum(  # [B, L]
-            p.masked_fill(c[:, a], 0.0) for p, c, a in zip(probs, covered, ancestors, strict=True)
-        )
-        assert isinstance(gain, torch.Tensor)
+        gain = torch.stack(  # [B, L]
+            [p.masked_fill(c[:, a], 0.0) for p, c, a in zip(probs, covered, ancestors, strict=True)]
+        ).sum(0)
         if picks:
             gain[rows[:, None], torch.stack(picks, 1)] = -1.0
         pick = gain.argmax(-1)  # [B]
