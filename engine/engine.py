@@ -270,8 +270,9 @@ class LLMEngine:
         hidden_states: torch.Tensor,  # [len(reqs), hidden]
         logits: torch.Tensor,  # [len(reqs), vocab], raw
     ) -> None:
-        top, top_ids = logits.float().topk(self._states_top_k, dim=-1)
-        top_logprobs = (top - logits.float().logsumexp(-1, keepdim=True)).cpu()
+        logits = logits.float()
+        top, top_ids = logits.topk(self._states_top_k, dim=-1)
+        top_logprobs = (top - logits.logsumexp(-1, keepdim=True)).cpu()
         hidden, top_ids = hidden_states.float().cpu(), top_ids.cpu()
         for i, req in enumerate(reqs):
             self._states.setdefault(req.request_id, []).append(

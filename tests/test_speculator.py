@@ -167,6 +167,8 @@ def test_coverage_candidates_add_the_most_expected_accepted_drafts(top_k: tuple[
         assert [tuple(p) for p in paths[b].tolist()] == expected
         for path, score in zip(expected, scores[b].tolist(), strict=True):
             assert math.exp(score) == pytest.approx(prefix_prob[path], rel=1e-4)
+    with pytest.raises(ValueError, match="selection"):
+        model.generate_candidates(states, tokens, top_k, n, selection="best")
 
 
 def test_teacher_forced_forward_matches_the_recurrence() -> None:

@@ -157,13 +157,13 @@ static inline __attribute__((always_inline)) void attend_rows_grouped(
     const int64_t ctx_len = seq_len - q_len;
     const float *rows[ROW_BLOCK];
     float *row_out[ROW_BLOCK];
-    int64_t first_new[ROW_BLOCK];
+    int64_t new_token[ROW_BLOCK];
     int64_t num_keys = 0;
     for (int64_t b = 0; b < ROWS; b++) {
         const int64_t r = r0 + b, i = r / group, head = kv_head * group + r % group;
         rows[b] = q + (q_first + i) * q_stride + head * head_dim;
         row_out[b] = out + ((q_first + i) * num_heads + head) * head_dim;
-        first_new[b] = i;
+        new_token[b] = i;
         /* Causal rows see keys [0, ctx_len + i]; tree rows the context and their mask. */
         const int64_t n = mask != NULL ? seq_len : ctx_len + i + 1;
         num_keys = n > num_keys ? n : num_keys;
@@ -177,7 +177,7 @@ static inline __attribute__((always_inline)) void attend_rows_grouped(
     float inv_sum[ROW_BLOCK];
     for (int64_t b = 0; b < ROWS; b++) {
         float *row = scores + b * seq_len;
-        const int64_t i = first_new[b];
+        const int64_t i = new_token[b];
         for (int64_t j = ctx_len; j < num_keys; j++) {
             const int visible = mask != NULL ? mask[i * q_len + j - ctx_len] : j <= ctx_len + i;
             if (!visible) row[j] = -INFINITY;

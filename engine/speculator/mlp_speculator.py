@@ -134,6 +134,12 @@ def select_by_coverage(
     return torch.stack(picks, 1)
 
 
+def check_selection(selection: str) -> None:
+    """Raise ValueError unless `selection` is one of CANDIDATE_SELECTIONS."""
+    if selection not in CANDIDATE_SELECTIONS:
+        raise ValueError(f"selection must be one of {CANDIDATE_SELECTIONS}, got {selection!r}")
+
+
 def check_tree_shape(n_predict: int, top_k: Sequence[int], n_candidates: int) -> None:
     """Raise ValueError unless `top_k` has one positive entry per head and `n_candidates` is
     between 1 and the number of leaves (the product of `top_k`)."""
@@ -260,8 +266,7 @@ class MLPSpeculator(nn.Module):
         adding the most expected accepted drafts to those already picked (see
         `select_by_coverage`)."""
         check_tree_shape(self.config.n_predict, top_k_tokens_per_head, n_candidates)
-        if selection not in CANDIDATE_SELECTIONS:
-            raise ValueError(f"selection must be one of {CANDIDATE_SELECTIONS}, got {selection!r}")
+        check_selection(selection)
         batch = state.shape[0]
         s = self.initial_state(state).unsqueeze(1)  # [B, 1, d_in]
         tokens = token_ids.view(batch, 1)  # [B, F]: the frontier's tokens

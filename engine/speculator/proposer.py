@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.layers.linear import Linear, select_kernels
-from engine.speculator.mlp_speculator import CANDIDATE_SELECTIONS, MLPSpeculator, check_tree_shape
+from engine.speculator.mlp_speculator import MLPSpeculator, check_selection, check_tree_shape
 from engine.speculator.tree import DraftTree
 
 
@@ -91,8 +91,7 @@ class MLPProposer:
         """`top_k_tokens_per_head` and `n_candidates` override the speculator's config;
         `selection` is how the candidates are picked from the tree
         (`MLPSpeculator.generate_candidates`)."""
-        if selection not in CANDIDATE_SELECTIONS:
-            raise ValueError(f"selection must be one of {CANDIDATE_SELECTIONS}, got {selection!r}")
+        check_selection(selection)
         config = speculator.config
         use_engine_linears(speculator)
         self.speculator = speculator
