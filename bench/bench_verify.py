@@ -1,11 +1,14 @@
 """Cost of verifying a draft tree at batch 1: the verify step vs the bare matrix products for
 the same number of rows, and vs a plain decode step, measured in one run.
 
-The tree is what the MLP speculator proposes with top-k [5, 3, 2] and 5 candidates (random
-weights: shape only), on a chat prompt's real final hidden state; `--worst-case` uses five
-disjoint paths instead (16 rows). The speculator's own drafting time is reported too.
+The tree is what the MLP speculator proposes with top-k [5, 3, 2] and 5 candidates, on a chat
+prompt's real final hidden state: a trained speculator's (`--speculator PATH`, drafting from its
+draft vocabulary when it has one) or a random one of the same shape over the whole vocabulary;
+`--worst-case` uses five disjoint paths instead (16 rows). The speculator's own drafting time is
+reported too.
 
-    python -m bench.bench_verify [--model PATH] [--top-k 5 3 2] [--candidates 5]
+    python -m bench.bench_verify [--model PATH] [--speculator PATH] [--top-k 5 3 2]
+                                 [--candidates 5]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, nargs="+", default=[5, 3, 2])
     parser.add_argument("--candidates", type=int, default=5)
     parser.add_argument("--selection", choices=CANDIDATE_SELECTIONS, default="coverage")
+    parser.add_argument("--speculator", type=Path, help="a trained speculator folder")
     parser.add_argument("--worst-case", action="store_true")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
@@ -51,7 +55,7 @@ def main() -> None:
         )
     )
     with tempfile.TemporaryDirectory() as tmp:
-        spec_path = write_tiny_speculator(
+        spec_path = args.speculator or write_tiny_speculator(
             tmp, args.model, n_predict=len(args.top_k), inner_dim=runner.config.hidden_size
         )
         speculator = load_speculator(
@@ -61,6 +65,7 @@ def main() -> None:
             dtype=runner.dtype,
             device="cpu",
         )
+    num_draft_tokens = speculator.num_draft_tokens
 
     seq = "bench"
     depth = len(args.top_k)
@@ -116,6 +121,8 @@ def main() -> None:
         "plain_step_ms": plain_s * 1e3,
         "matmul_floor_1_row_ms": floor1_s * 1e3,
         "verify_over_plain": verify_s / plain_s,
+        "speculator": str(args.speculator) if args.speculator else None,
+        "draft_vocabulary_size": num_draft_tokens,
         "draft_ms": draft_s * 1e3,
         "draft_nn_linear_ms": plain_draft_s * 1e3,
     }
@@ -131,7 +138,8 @@ def main() -> None:
     print(f"{'plain decode step':<26}{plain_s * 1e3:>8.2f}   verify/plain {verify_s / plain_s:.3f}")
     print(f"{'matmuls, 1 row':<26}{floor1_s * 1e3:>8.2f}")
     print(
-        f"{'speculator drafting':<26}{draft_s * 1e3:>8.2f}   (nn.Linear: {plain_draft_s * 1e3:.2f})"
+        f"{'speculator drafting':<26}{draft_s * 1e3:>8.2f}   "
+        f"(nn.Linear: {plain_draft_s * 1e3:.2f}; from {num_draft_tokens} tokens)"
     )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

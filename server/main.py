@@ -79,9 +79,11 @@ def _load_proposer(config: ServerConfig, runner: ModelRunner) -> MLPProposer | N
         config.speculator_candidate_selection,
     )
     logger.info(
-        "speculator %s: %d heads, top-k per head %s, %d candidates by %s, up to batch size %d",
+        "speculator %s: %d heads drafting from %d tokens, top-k per head %s, %d candidates by "
+        "%s, up to batch size %d",
         config.speculator_path,
         speculator.config.n_predict,
+        speculator.num_draft_tokens,
         list(proposer.top_k_tokens_per_head),
         proposer.n_candidates,
         proposer.selection,

@@ -6,6 +6,7 @@ published constants, and the tensors the checkpoint generator wrote.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -16,8 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.loader import CheckpointError
-from engine.speculator.loader import load_speculator
-from engine.speculator.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.speculator.loader import load_speculator, write_draft_vocabulary
+from engine.speculator.mlp_speculator import (
+    DRAFT_VOCABULARY_FILE,
+    MLPSpeculator,
+    MLPSpeculatorConfig,
+)
 from engine.speculator.tree import DraftTree
 from tools.tiny_speculator import FORMATS, write_tiny_speculator
 
@@ -41,10 +46,15 @@ def _random_speculator(
 
 @torch.no_grad()
 def _reference_path_logprobs(
-    model: MLPSpeculator, state: torch.Tensor, token: int, path: list[int]
+    model: MLPSpeculator,
+    state: torch.Tensor,
+    token: int,
+    path: list[int],
+    vocab: list[int] | None = None,
 ) -> list[torch.Tensor]:
     """Per-head log-softmax along one path, straight from the §1.4 recurrence with the
-    beta/alpha weighted sum (the Feb-2024 form), not the module's scaled form."""
+    beta/alpha weighted sum (the Feb-2024 form), not the module's scaled form; over `vocab`
+    only (-inf elsewhere) when given."""
     cfg = model.config
     n, d = cfg.n_predict, cfg.inner_dim
     beta = 0.5 ** (0.5 / n)
@@ -61,7 +71,12 @@ def _reference_path_logprobs(
         x = x / torch.sqrt(x.pow(2).mean() + 1e-6)
         x = model.ln[i].weight.double() * x + model.ln[i].bias.double()
         s = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
-        out.append((model.head[i].weight.double() @ s).log_softmax(-1))
+        logits = model.head[i].weight.double() @ s
+        if vocab is not None:
+            outside = torch.ones_like(logits, dtype=torch.bool)
+            outside[vocab] = False
+            logits = logits.masked_fill(outside, -torch.inf)
+        out.append(logits.log_softmax(-1))
     return out
 
 
@@ -120,17 +135,22 @@ def test_candidates_are_the_best_joint_paths(tie: bool, scale: bool) -> None:
 
 
 def _reference_tree(
-    model: MLPSpeculator, state: torch.Tensor, token: int, top_k: tuple[int, ...]
+    model: MLPSpeculator,
+    state: torch.Tensor,
+    token: int,
+    top_k: tuple[int, ...],
+    vocab: list[int] | None = None,
 ) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...], float]]:
     """Every leaf path of the top-k tree in mixed-radix order, and the probability of every
-    path prefix (the product of its tokens' probabilities), from the reference recurrence."""
+    path prefix (the product of its tokens' probabilities), from the reference recurrence
+    (drafting from `vocab` only, when given)."""
     leaves: list[tuple[int, ...]] = []
     prefix_prob: dict[tuple[int, ...], float] = {}
     for ranks in itertools.product(*(range(k) for k in top_k)):
         path: list[int] = []
         score = 0.0
         for i, r in enumerate(ranks):
-            logprobs = _reference_path_logprobs(model, state, token, [*path, 0])
+            logprobs = _reference_path_logprobs(model, state, token, [*path, 0], vocab)
             order = logprobs[i].argsort(descending=True)
             path.append(int(order[r]))
             score += float(logprobs[i][order[r]])
@@ -169,6 +189,35 @@ def test_coverage_candidates_add_the_most_expected_accepted_drafts(top_k: tuple[
             assert math.exp(score) == pytest.approx(prefix_prob[path], rel=1e-4)
     with pytest.raises(ValueError, match="selection"):
         model.generate_candidates(states, tokens, top_k, n, selection="best")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_draft_vocabulary_drafts_the_best_paths_within_it(tie: bool) -> None:
+    model = _random_speculator(tie=tie, scale=True)
+    vocab = torch.randperm(50, generator=torch.Generator().manual_seed(2))[:17]
+    restricted = copy.deepcopy(model)
+    restricted.restrict_vocabulary(vocab)
+    assert restricted.head[0].weight.shape == (17, 16)
+    assert (restricted.num_draft_tokens, model.num_draft_tokens) == (17, 50)
+    assert (restricted.head[2] is restricted.head[0]) == tie
+    top_k = (4, 3, 2)
+    states = 3 * torch.randn(2, 24, generator=torch.Generator().manual_seed(5))
+    tokens = torch.tensor([3, 17])
+    paths, scores = restricted.generate_candidates(states, tokens, top_k, 24)  # every leaf
+    for b in range(2):
+        leaves, prefix_prob = _reference_tree(
+            model, states[b], int(tokens[b]), top_k, vocab.tolist()
+        )
+        got = {tuple(p): s for p, s in zip(paths[b].tolist(), scores[b].tolist(), strict=True)}
+        assert got.keys() == set(leaves)
+        for path, score in got.items():
+            assert set(path) <= set(vocab.tolist())
+            assert math.exp(score) == pytest.approx(prefix_prob[path], rel=1e-4)
+    with pytest.raises(ValueError, match="already restricted"):
+        restricted.restrict_vocabulary(vocab)
+    for bad in (torch.tensor([1, 50]), torch.tensor([4, 4]), torch.tensor([], dtype=torch.int64)):
+        with pytest.raises(ValueError, match="draft vocabulary"):
+            copy.deepcopy(model).restrict_vocabulary(bad)
 
 
 def test_teacher_forced_forward_matches_the_recurrence() -> None:
@@ -310,3 +359,30 @@ def test_loader_refuses_mismatches_and_broken_checkpoints(tmp_path: Path, tiny_p
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(CheckpointError, match="model_type is 'llama'"):
         load(folder)
+    drafts = write_tiny_speculator(tmp_path / "drafts", tiny_path)
+    for text, error in (
+        ('{"token_ids": [1, 2, 2]}', "repeated"),
+        (f'{{"token_ids": [0, {vocab}]}}', f"below {vocab}"),
+        ('{"token_ids": "all"}', "list of integers"),
+        ("[1, 2", "unreadable"),
+    ):
+        (drafts / DRAFT_VOCABULARY_FILE).write_text(text)
+        with pytest.raises(CheckpointError, match=f"{DRAFT_VOCABULARY_FILE}: .*{error}"):
+            load(drafts)
+
+
+def test_loader_restricts_drafting_to_the_draft_vocabulary(tmp_path: Path, tiny_path: Path) -> None:
+    cfg = json.loads((tiny_path / "config.json").read_text())
+    folder = write_tiny_speculator(tmp_path / "spec", tiny_path)
+    ids = torch.tensor([9, 2, 40, 7, 100, 31])
+    write_draft_vocabulary(folder, ids)
+    kwargs = dict(hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"])
+    full = load_speculator(
+        folder, dtype=torch.float32, device="cpu", draft_vocabulary=False, **kwargs
+    )
+    restricted = load_speculator(folder, dtype=torch.float32, device="cpu", **kwargs)
+    assert full.draft_vocabulary is None
+    assert restricted.draft_vocabulary is not None
+    assert restricted.draft_vocabulary.tolist() == ids.tolist()
+    for i in range(full.config.n_predict):
+        assert torch.equal(restricted.head[i].weight, full.head[i].weight[ids])

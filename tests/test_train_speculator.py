@@ -19,6 +19,7 @@ from engine.speculator.train import (
     learning_rate,
     save_speculator,
     train_speculator,
+    training_vocabulary,
 )
 from engine.speculator.train_data import TEACHER_TOP_K, AnswerSettings, DataBuilder, SpeculatorData
 from engine.speculator.train_model import (
@@ -141,6 +142,97 @@ def test_training_lowers_the_loss_on_a_fixed_batch(tiny: Path, base: BaseMatrice
         after = distillation_loss(model, batch, vocab_ids)
     assert after.loss < 0.8 * before.loss
     assert after.head_accuracy[0] > before.head_accuracy[0]
+
+
+def test_loss_over_a_partial_vocabulary_matches_a_per_position_oracle(
+    tiny: Path, base: BaseMatrices
+) -> None:
+    """Targets outside the vocabulary drop out of the teacher's distribution, and positions
+    with none inside drop out of the mean: checked against a loop over positions."""
+    settings = make_settings()
+    model = build(tiny, base, settings)
+    data = synthetic_data(model.config.emb_dim, model.config.vocab_size, rows=48)
+    batch = data.batch(data.trainable_rows(), model.config.n_predict, top_k=3)
+    g = torch.Generator().manual_seed(3)
+    candidates = torch.unique(batch.target_ids)
+    vocab_ids = candidates[torch.randperm(len(candidates), generator=g)[: len(candidates) // 2]]
+    vocab_ids = vocab_ids.sort().values
+    with torch.no_grad():
+        out = distillation_loss(model, batch, vocab_ids)
+        features = model(batch.states, batch.token_ids)
+    inside = set(vocab_ids.tolist())
+    for i, head in enumerate(model.heads()):
+        rows = head.rows(vocab_ids)
+        losses, hits = [], []
+        for n in range(batch.states.shape[0]):
+            targets = [
+                (vocab_ids.tolist().index(t), lp)
+                for t, lp in zip(
+                    batch.target_ids[i, n].tolist(),
+                    batch.target_logprobs[i, n].tolist(),
+                    strict=True,
+                )
+                if t in inside
+            ]
+            if not batch.mask[i, n] or not targets:
+                continue
+            logprobs = (features[i, n] @ rows.t()).double().log_softmax(-1)
+            weights = torch.tensor([lp for _, lp in targets], dtype=torch.float64).softmax(-1)
+            losses.append(-sum(w * logprobs[j] for w, (j, _) in zip(weights, targets, strict=True)))
+            top1 = int(batch.target_ids[i, n, 0])
+            hits.append(top1 in inside and int(logprobs.argmax()) == targets[0][0])
+        assert 0 < len(losses) < int(batch.mask[i].sum())  # some positions lost every target
+        assert float(out.head_losses[i]) == pytest.approx(
+            float(sum(losses) / len(losses)), rel=1e-4
+        )
+        assert float(out.head_accuracy[i]) == pytest.approx(sum(hits) / len(hits), abs=1e-6)
+
+
+def test_a_frequent_vocabulary_trains_and_becomes_the_draft_vocabulary(
+    tiny: Path, base: BaseMatrices, tmp_path: Path
+) -> None:
+    settings = make_settings(epochs=1, vocabulary="frequent", vocabulary_size=60)
+    model = build(tiny, base, settings)
+    vocab = model.config.vocab_size
+    data = synthetic_data(model.config.emb_dim, vocab)
+    top1: dict[int, int] = {}
+    top_k: dict[int, int] = {}
+    for ids, valid in zip(data.teacher_ids.tolist(), data.teacher_valid.tolist(), strict=True):
+        top1[ids[0]] = top1.get(ids[0], 0) + valid
+        for t in ids[: settings.distill_top_k]:
+            top_k[t] = top_k.get(t, 0) + valid
+    ranked = sorted(range(vocab), key=lambda t: (-top1.get(t, 0), -top_k.get(t, 0), t))
+    vocab_ids = training_vocabulary([data], settings, vocab)
+    assert vocab_ids.tolist() == sorted(ranked[:60])
+    active = training_vocabulary([data], replace(settings, vocabulary="active"), vocab)
+    assert active.tolist() == sorted(
+        set(data.teacher_ids[:, : settings.distill_top_k].flatten().tolist())
+    )
+    assert torch.equal(
+        training_vocabulary([data], replace(settings, vocabulary="full"), vocab),
+        torch.arange(vocab),
+    )
+    with pytest.raises(ValueError, match="vocabulary must be one of"):
+        training_vocabulary([data], replace(settings, vocabulary="most"), vocab)
+
+    train_speculator(model, [data], settings, vocab_ids=vocab_ids, log=quiet)
+    exported = model.export()
+    folder = save_speculator(exported, tmp_path / "spec", vocab_ids)
+    config = LlamaConfig.from_folder(tiny)
+    loaded = load_speculator(
+        folder, hidden_size=config.hidden_size, vocab_size=vocab, dtype=torch.float32, device="cpu"
+    )
+    assert loaded.draft_vocabulary is not None
+    assert loaded.draft_vocabulary.tolist() == vocab_ids.tolist()
+    for i in range(loaded.config.n_predict):
+        assert torch.equal(loaded.head[i].weight, exported.head[i].weight[vocab_ids])
+    paths, _ = loaded.generate_candidates(data.states[:4], data.tokens[:4], (5, 3, 2), 5)
+    assert set(paths.flatten().tolist()) <= set(vocab_ids.tolist())
+    save_speculator(exported, folder)  # no draft vocabulary: the stale file goes
+    again = load_speculator(
+        folder, hidden_size=config.hidden_size, vocab_size=vocab, dtype=torch.float32, device="cpu"
+    )
+    assert again.draft_vocabulary is None
 
 
 @pytest.mark.parametrize(

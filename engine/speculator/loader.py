@@ -9,11 +9,14 @@ Accepted forms (mlp-speculator.md §1.3, tgis-interface.md §3.3):
   heads unless given; tied when a single head is stored for several heads).
 
 Keys may carry the HF wrapper's `speculator.` prefix. Tied checkpoints may store one copy of
-each shared tensor or every copy (the copies must then be equal).
+each shared tensor or every copy (the copies must then be equal). A folder's
+`draft_vocabulary.json` (`{"token_ids": [...]}`, this project's addition) restricts drafting to
+those tokens (`MLPSpeculator.restrict_vocabulary`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +24,11 @@ from pathlib import Path
 import torch
 
 from engine.models.loader import CheckpointError, checkpoint_files, iter_tensors
-from engine.speculator.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.speculator.mlp_speculator import (
+    DRAFT_VOCABULARY_FILE,
+    MLPSpeculator,
+    MLPSpeculatorConfig,
+)
 
 _PREFIX = "speculator."
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -35,10 +42,12 @@ def load_speculator(
     dtype: torch.dtype,
     device: torch.device | str,
     n_predict: int | None = None,
+    draft_vocabulary: bool = True,
 ) -> MLPSpeculator:
     """Build and fill the speculator at `path` for a base model of `hidden_size` and
-    `vocab_size`. Raises CheckpointError naming the path (and tensor, or both mismatched
-    values) when it cannot be used."""
+    `vocab_size`, restricted to the folder's draft vocabulary when it has one and
+    `draft_vocabulary` is true. Raises CheckpointError naming the path (and tensor, or both
+    mismatched values) when it cannot be used."""
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path}: speculator path does not exist")
@@ -55,7 +64,35 @@ def load_speculator(
         )
     model = MLPSpeculator(config, dtype=dtype, device=device)
     _fill(model, tensors, path)
+    vocabulary = read_draft_vocabulary(path) if draft_vocabulary and path.is_dir() else None
+    if vocabulary is not None:
+        try:
+            model.restrict_vocabulary(vocabulary)
+        except ValueError as e:
+            raise CheckpointError(f"{path / DRAFT_VOCABULARY_FILE}: {e}") from e
     return model.eval()
+
+
+def read_draft_vocabulary(folder: str | Path) -> torch.Tensor | None:
+    """[V'] int64: the token ids of `folder`'s draft vocabulary file, or None without one.
+    Raises CheckpointError when the file is unreadable."""
+    path = Path(folder) / DRAFT_VOCABULARY_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise ValueError("token_ids must be a list of integers")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable draft vocabulary ({e})") from e
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def write_draft_vocabulary(folder: str | Path, token_ids: torch.Tensor) -> Path:
+    """Write `token_ids` [V'] as `folder`'s draft vocabulary file."""
+    path = Path(folder) / DRAFT_VOCABULARY_FILE
+    path.write_text(json.dumps({"token_ids": token_ids.tolist()}) + "\n")
+    return path
 
 
 def _read(

@@ -10,6 +10,13 @@ with `beta = 0.5 ** (0.5 / n_predict)`, `alpha = sqrt((1 - beta**2) * inner_dim 
 RMS norm with weight and bias (no mean subtraction, eps 1e-6) and the exact erf GELU. `s_0` is the
 base state (with `scale_input`: a parameter-free RMS norm of it, divided by sqrt(2)); `tok_0` is
 the token the base model chose from that state, so head i drafts the token i+1 places after it.
+
+A speculator may draft from a *draft vocabulary*, a subset of the base vocabulary (for one
+trained here, the tokens most often the base model's top-1 in its training data: FR-Spec's
+frequency-ranked drafting): its heads then score only those tokens, which makes drafting several
+times cheaper where the heads' [vocab, inner] products dominate it, as they do at a CPU's memory
+bandwidth. The subset is stored beside the published checkpoint in `draft_vocabulary.json`,
+which other servers ignore.
 """
 
 from __future__ import annotations
@@ -19,13 +26,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 MODEL_TYPE = "mlp_speculator"
+DRAFT_VOCABULARY_FILE = "draft_vocabulary.json"
 CANDIDATE_SELECTIONS = ("joint", "coverage")
 _EPS = 1e-6
 
@@ -213,6 +221,40 @@ class MLPSpeculator(nn.Module):
         beta = 0.5 ** (0.5 / n)
         alpha = math.sqrt((1 - beta**2) * d / 2)
         self.emb_scale = alpha / beta
+        self.draft_vocabulary: torch.Tensor | None = None  # [V'] int64, when restricted
+
+    @torch.no_grad()
+    def restrict_vocabulary(self, token_ids: torch.Tensor) -> None:
+        """Draft only `token_ids` [V'] (distinct base token ids): each head keeps those rows
+        (a shared head stays shared), so head logits are over `token_ids`, in their order, and
+        `generate_candidates` maps its picks back to base ids. For inference only: the
+        teacher-forced `forward` then scores the subset too."""
+        if self.draft_vocabulary is not None:
+            raise ValueError("the speculator's vocabulary is already restricted")
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten()
+        vocab = self.config.vocab_size
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"draft vocabulary must be non-empty token ids below {vocab}")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError("draft vocabulary has repeated token ids")
+        sliced: dict[int, nn.Linear] = {}
+        for i, head in enumerate(self.head):
+            full = cast(nn.Linear, head)
+            ids = ids.to(full.weight.device)
+            if id(full) not in sliced:
+                weight = full.weight[ids]  # [V', inner]
+                small = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+                small.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+                sliced[id(full)] = small
+            self.head[i] = sliced[id(full)]
+        self.draft_vocabulary = ids
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """How many tokens the heads score: the draft vocabulary's, else the whole vocabulary."""
+        if self.draft_vocabulary is None:
+            return self.config.vocab_size
+        return self.draft_vocabulary.numel()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """fms's initialisation: every weight ~ N(0, 1/sqrt(inner_dim)); norms 1 and 0."""
@@ -275,8 +317,10 @@ class MLPSpeculator(nn.Module):
         prefix_scores = []  # per head: [B, F] summed log-probabilities of the frontier
         for i, k in enumerate(top_k_tokens_per_head):
             s = self.stage(i, s, tokens)  # [B, F, d]
-            logprobs = self.head[i](s).float().log_softmax(-1)  # [B, F, vocab]
+            logprobs = self.head[i](s).float().log_softmax(-1)  # [B, F, vocab or V']
             top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # [B, F, k]
+            if self.draft_vocabulary is not None:
+                top_ids = self.draft_vocabulary[top_ids]
             scores = (scores.unsqueeze(-1) + top_logprobs).flatten(1)  # [B, F*k]
             prefix_scores.append(scores)
             paths = torch.cat(

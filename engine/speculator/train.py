@@ -14,10 +14,12 @@ cosine decay to 0.1 x the peak, gradient clipping at 1.0. Stage 1 trains on plai
 built-in training prompts of `train_prompts`). Deviations, for a small budget: the target is
 the base model's own top-k prediction (self-distillation, see `train_data`), both stages share
 one learning-rate schedule, the vocabulary matrices are trained factored over the base model's,
-and the softmax runs over the tokens the teacher ever ranks in its top-k (see `train_model`).
+and the softmax runs over the draft vocabulary: by default the 4096 tokens most often the
+teacher's top-1 (see `training_vocabulary` and `train_model`).
 
 The output folder gets `config.json` and `model.safetensors` (loadable by
-`engine.speculator.loader.load_speculator`), `training.json` (settings, data, timings, loss and
+`engine.speculator.loader.load_speculator`), `draft_vocabulary.json` (the tokens the speculator
+drafts from, unless `--vocabulary full`), `training.json` (settings, data, timings, loss and
 evaluation), `train/checkpoint.pt` (for `--resume`) and `data/` (the cached training data). A
 finished folder is left alone (its path printed) unless `--force`. The folder is always the last
 line printed.
@@ -40,8 +42,10 @@ from safetensors.torch import save_file
 
 from engine.models.llama import LlamaConfig
 from engine.paths import DEFAULT_MODEL_NAME, default_model_path, speculators_dir
+from engine.speculator.loader import write_draft_vocabulary
 from engine.speculator.mlp_speculator import (
     CANDIDATE_SELECTIONS,
+    DRAFT_VOCABULARY_FILE,
     MLPSpeculator,
     MLPSpeculatorConfig,
 )
@@ -56,7 +60,7 @@ from engine.speculator.train_model import (
 from engine.speculator.train_prompts import eval_prompts, read_prompts, read_texts, train_prompts
 
 CHECKPOINT = Path("train") / "checkpoint.pt"
-VOCABULARIES = ("active", "full")
+VOCABULARIES = ("frequent", "active", "full")
 
 
 def default_speculator_name(base_path: str | Path) -> str:
@@ -73,9 +77,9 @@ class TrainSettings:
     """Architecture (the speculator config's fields; `inner_dim` 0 means the base hidden size),
     how the vocabulary matrices train (`head` / `embedding`: factored, frozen or full), and the
     optimisation: `batch_size` positions per step, `epochs` over each stage's data (or fewer
-    steps, to end within `minutes` of training when given), the softmax over the `active`
-    vocabulary (tokens among the teacher's top-k anywhere in the data) or the `full` one, the
-    teacher's `distill_top_k` tokens as soft targets."""
+    steps, to end within `minutes` of training when given), the teacher's `distill_top_k`
+    tokens as soft targets, and the vocabulary the heads' softmax runs over (see
+    `training_vocabulary`)."""
 
     n_predict: int = 3
     inner_dim: int = 0
@@ -94,7 +98,8 @@ class TrainSettings:
     batch_size: int = 256
     epochs: float = 4.0
     minutes: float | None = None
-    vocabulary: str = "active"
+    vocabulary: str = "frequent"
+    vocabulary_size: int = 4096
     distill_top_k: int = 4
     seed: int = 0
     checkpoint_every: int = 100
@@ -110,6 +115,33 @@ class TrainSettings:
             tie_weights=self.tie_weights,
             scale_input=self.scale_input,
         )
+
+
+def training_vocabulary(
+    stages: Sequence[SpeculatorData], settings: TrainSettings, vocab_size: int
+) -> torch.Tensor:
+    """[C] int64, sorted: the tokens the heads' softmax runs over in training, and the draft
+    vocabulary of the trained speculator unless `full`. `frequent`: the `vocabulary_size`
+    tokens most often the teacher's top-1 (ties to the one more often in its top
+    `distill_top_k`, then to the lower id), so training and drafting skip the long tail that is
+    almost never the token to draft; `active`: every token among the teacher's top
+    `distill_top_k` at some row; `full`: the whole vocabulary."""
+    if settings.vocabulary not in VOCABULARIES:
+        raise ValueError(f"vocabulary must be one of {VOCABULARIES}, got {settings.vocabulary!r}")
+    if settings.vocabulary == "full":
+        return torch.arange(vocab_size)
+    if settings.vocabulary == "active":
+        return torch.unique(torch.cat([data.vocabulary(settings.distill_top_k) for data in stages]))
+    if settings.vocabulary_size < 1:
+        raise ValueError(f"vocabulary_size must be positive, got {settings.vocabulary_size}")
+    top1 = sum((data.top_counts(vocab_size, 1) for data in stages), torch.zeros(vocab_size))
+    top_k = sum(
+        (data.top_counts(vocab_size, settings.distill_top_k) for data in stages),
+        torch.zeros(vocab_size),
+    )
+    order = torch.sort(-top_k, stable=True).indices
+    order = order[torch.sort(-top1[order], stable=True).indices]  # most frequent first
+    return order[: settings.vocabulary_size].sort().values
 
 
 def learning_rate(step: int, total: int, settings: TrainSettings) -> float:
@@ -184,14 +216,16 @@ def train_speculator(
     resume: bool = False,
     device: str = "cpu",
     stop_at: int | None = None,
+    vocab_ids: torch.Tensor | None = None,
     log: Callable[[str], None] = print,
 ) -> TrainState:
     """Train `model` in place on each stage's data in turn (`epochs` passes each, positions
     shuffled per epoch; with `minutes`, the plan shrinks after the first steps so that training
-    ends in time). Saves optimizer and step to `checkpoint` every `checkpoint_every` steps and
-    at the end; with `resume`, continues from it exactly (same batches, same learning rates).
-    `stop_at` ends this call early, after that step, leaving a resumable checkpoint. Returns
-    the state reached."""
+    ends in time), the heads' softmax over `vocab_ids` (default: `training_vocabulary`). Saves
+    optimizer and step to `checkpoint` every `checkpoint_every` steps and at the end; with
+    `resume`, continues from it exactly (same batches, same learning rates). `stop_at` ends
+    this call early, after that step, leaving a resumable checkpoint. Returns the state
+    reached."""
     model.to(device)
     optimizer = torch.optim.AdamW(
         model.parameter_groups(settings.weight_decay),
@@ -200,14 +234,8 @@ def train_speculator(
         weight_decay=settings.weight_decay,
     )
     rows = [data.trainable_rows() for data in stages]
-    if settings.vocabulary not in VOCABULARIES:
-        raise ValueError(f"vocabulary must be one of {VOCABULARIES}, got {settings.vocabulary!r}")
-    vocab_ids = [
-        data.vocabulary(settings.distill_top_k)
-        if settings.vocabulary == "active"
-        else torch.arange(model.config.vocab_size)
-        for data in stages
-    ]
+    if vocab_ids is None:
+        vocab_ids = training_vocabulary(stages, settings, model.config.vocab_size)
     per_epoch = [math.ceil(len(r) / settings.batch_size) for r in rows]
     state = TrainState(plan=[math.ceil(settings.epochs * n) for n in per_epoch])
     if resume and checkpoint is not None and checkpoint.is_file():
@@ -268,7 +296,7 @@ def train_speculator(
                 lr = learning_rate(step, state.total, settings)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                out = distillation_loss(model, batch, vocab_ids[stage])
+                out = distillation_loss(model, batch, vocab_ids)
                 optimizer.zero_grad(set_to_none=True)
                 out.loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
@@ -325,11 +353,18 @@ def _fit_plan(
         state.plan[s] = int(state.plan[s] * factor)
 
 
-def save_speculator(model: MLPSpeculator, out_dir: str | Path) -> Path:
+def save_speculator(
+    model: MLPSpeculator, out_dir: str | Path, draft_vocabulary: torch.Tensor | None = None
+) -> Path:
     """Write `config.json` and `model.safetensors` (keys with the HF wrapper's `speculator.`
-    prefix; a tied speculator stores each shared tensor once) into `out_dir`."""
+    prefix; a tied speculator stores each shared tensor once) into `out_dir`, and the
+    `draft_vocabulary` file when given (else remove a stale one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if draft_vocabulary is not None:
+        write_draft_vocabulary(out, draft_vocabulary)
+    else:
+        (out / DRAFT_VOCABULARY_FILE).unlink(missing_ok=True)
     tensors = {f"speculator.{name}": t.cpu() for name, t in iter_unique_tensors(model)}
     tmp = out / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -376,6 +411,7 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=float, default=d.epochs)
     p.add_argument("--minutes", type=float, default=None, help="training time budget")
     p.add_argument("--vocabulary", choices=VOCABULARIES, default=d.vocabulary)
+    p.add_argument("--vocabulary-size", type=int, default=d.vocabulary_size, help="`frequent`'s")
     p.add_argument("--distill-top-k", type=int, default=d.distill_top_k)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--resume", action="store_true", help="continue from OUT/train/checkpoint.pt")
@@ -410,6 +446,7 @@ def train_main(argv: Sequence[str]) -> Path:
         epochs=args.epochs,
         minutes=args.minutes,
         vocabulary=args.vocabulary,
+        vocabulary_size=args.vocabulary_size,
         distill_top_k=args.distill_top_k,
         seed=args.seed,
     )
@@ -457,10 +494,18 @@ def train_main(argv: Sequence[str]) -> Path:
         embedding=settings.embedding,
         seed=settings.seed,
     )
+    vocab_ids = training_vocabulary(stages, settings, config.vocab_size)
     state = train_speculator(
-        model, stages, settings, checkpoint=out / CHECKPOINT, resume=args.resume, device=args.device
+        model,
+        stages,
+        settings,
+        checkpoint=out / CHECKPOINT,
+        resume=args.resume,
+        device=args.device,
+        vocab_ids=vocab_ids,
     )
-    save_speculator(model.cpu().export(), out)
+    draft_vocabulary = None if settings.vocabulary == "full" else vocab_ids
+    save_speculator(model.cpu().export(), out, draft_vocabulary)
     report["training"] = {"steps": state.step, "seconds": round(state.seconds, 1)}
     report["history"] = state.history
     if args.eval_prompts:

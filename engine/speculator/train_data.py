@@ -135,6 +135,12 @@ class SpeculatorData:
         """[C] int64, sorted: every token among the teacher's top `top_k` at some row."""
         return torch.unique(self.teacher_ids[:, :top_k])
 
+    def top_counts(self, vocab_size: int, top_k: int) -> torch.Tensor:
+        """[vocab_size] int64: at how many valid rows each token is among the teacher's top
+        `top_k`."""
+        ids = self.teacher_ids[self.teacher_valid, :top_k].flatten()
+        return torch.bincount(ids, minlength=vocab_size)
+
     def batch(self, rows: torch.Tensor, n_predict: int, top_k: int) -> Batch:
         """The batch of positions `rows` [N]: head i reads row `r + i`'s token and is taught row
         `r + i`'s teacher, when that row belongs to the same sequence."""
