@@ -16,9 +16,11 @@ load average before and after each level: on a shared machine, other work skews 
 `--speculator PATH` runs two servers side by side, speculation off (SPECULATOR_PATH and
 SPECULATOR_NAME removed from the server's env) and on (SPECULATOR_PATH=PATH, the server's
 adaptive policy deciding per step), each level's time split into `--rounds` windows per server
-taken in turns (off, on, off, on, ...), so that both see the same host; it adds per level the
-ratio of on to off, the mean tokens per speculative step and the acceptance per head (from the
-server's tgi_spec_* counters), and a PNG plot of tokens/s and p50 inter-token latency
+taken in turns (off, on, on, off, off, on, ...), so that both see the same host; it adds per
+level the ratio of on to off, the mean tokens per speculative step and the acceptance per head
+(from the server's tgi_spec_* counters); at the lowest level T (tokens per speculative step), C
+(a speculative step's time over the off server's decode step), the predicted speedup T/C and
+the realised one; and a PNG plot of tokens/s and p50 inter-token latency
 (bench/results/serving_speculator.{json,png}; the plot needs matplotlib:
 `pip install -e '.[bench]'`).
 
@@ -167,14 +169,27 @@ def print_table(rows: list[dict[str, Any]], header: bool = True) -> None:
         )
 
 
+_STEP_TIME = 'tgi_batch_inference_forward_duration_{}{{method="next_token",makeup="single_only"}}'
+
+
 def spec_counters(server: ServerProcess) -> dict[str, float]:
-    """The server's speculation counters: every `tgi_spec_*` sample by name with labels."""
+    """The server's speculation counters (every `tgi_spec_*` sample by name with labels) and
+    the sum and count of its decode step times."""
     out = {}
+    wanted = (_STEP_TIME.format("sum"), _STEP_TIME.format("count"))
     for line in server.metrics_text().splitlines():
-        if line.startswith("tgi_spec_"):
+        if line.startswith("tgi_spec_") or line.startswith(wanted):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+def step_ms(before: dict[str, float], after: dict[str, float], histogram: str) -> float | None:
+    """The mean of a duration histogram's samples between two `spec_counters` readings, in
+    milliseconds (None without samples); `histogram` is its name with a `{}` for the suffix."""
+    count = after.get(histogram.format("count"), 0.0) - before.get(histogram.format("count"), 0.0)
+    total = after.get(histogram.format("sum"), 0.0) - before.get(histogram.format("sum"), 0.0)
+    return 1000 * total / count if count else None
 
 
 def spec_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
@@ -195,6 +210,7 @@ def spec_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, A
         "spec_steps": int(steps),
         "tokens_per_spec_step": delta("tgi_spec_tokens_per_step_sum") / steps if steps else None,
         "head_acceptance": acceptance,
+        "spec_step_ms": step_ms(before, after, "tgi_spec_step_duration_{}"),
     }
 
 
@@ -208,9 +224,11 @@ def sweep(
     rounds: int,
 ) -> dict[str, list[dict[str, Any]]]:
     """Start one server per config (name -> (env, env vars to unset)), all at once, and run
-    every concurrency level against each: `rounds` windows of `duration / rounds` seconds per
-    server, the servers taking turns, so that a slow spell of a shared host hits all of them
-    alike. One row per level and server (with `spec_stats` when it speculates)."""
+    every concurrency level against each: an uncounted 2-second window each, then `rounds`
+    windows of `duration / rounds` seconds per server, the servers taking turns in an order
+    that reverses every round (A B, B A, A B, ...), so that a slow spell of a shared host and
+    the cost of going first hit all of them alike. One row per level and server (with
+    `spec_stats` when it speculates)."""
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     with contextlib.ExitStack() as stack:
         servers = {
@@ -228,8 +246,11 @@ def sweep(
             window_tokens = dict.fromkeys(servers, 0)
             before = {name: spec_counters(server) for name, server in servers.items()}
             load_before = os.getloadavg()[0]
-            for _ in range(rounds):
-                for name, server in servers.items():
+            for server in servers.values():  # uncounted: the level's first steps
+                asyncio.run(run_window(server.grpc_target, prompts, concurrency, new_tokens, 2.0))
+            for r in range(rounds):
+                turns = list(servers.items())
+                for name, server in turns[::-1] if r % 2 else turns:
                     window = asyncio.run(
                         run_window(
                             server.grpc_target, prompts, concurrency, new_tokens, duration / rounds
@@ -240,8 +261,10 @@ def sweep(
             for name, server in servers.items():
                 row = summarize(concurrency, records[name], window_tokens[name], duration)
                 row["loadavg_1m"] = [load_before, os.getloadavg()[0]]
+                after = spec_counters(server)
+                row["decode_step_ms"] = step_ms(before[name], after, _STEP_TIME)
                 if "SPECULATOR_PATH" in configs[name][0]:
-                    row.update(spec_stats(before[name], spec_counters(server)))
+                    row.update(spec_stats(before[name], after))
                 rows[name].append(row)
                 print(
                     f"{name}: {concurrency} clients, {row['tokens_per_s']:.1f} tok/s, "
@@ -289,7 +312,7 @@ def main() -> None:
     parser.add_argument(
         "--rounds",
         type=int,
-        help="windows per level and server, taken in turns (default: 1, or 2 with --speculator)",
+        help="windows per level and server, taken in turns (default: 1, or 4 with --speculator)",
     )
     parser.add_argument(
         "--server-env",
@@ -308,7 +331,7 @@ def main() -> None:
     if args.speculator is not None:
         configs["on"] = ({**env, "SPECULATOR_PATH": str(args.speculator.resolve())}, ())
     levels = list(args.concurrency)
-    rounds = args.rounds or len(configs)
+    rounds = args.rounds or (4 if args.speculator is not None else 1)
     results = sweep(args.model, configs, prompts, levels, args.new_tokens, args.duration, rounds)
     rows, spec_rows = results["off"], results.get("on", [])
     for off, on in zip(rows, spec_rows, strict=False):  # no speculator: spec_rows is empty
@@ -334,6 +357,19 @@ def main() -> None:
                 f"  {r['concurrency']:>3} clients: {r['speedup_vs_off']:.3f}x of off, "
                 f"{r['spec_steps']} speculative steps"
                 + (f", {tps:.2f} tokens/step, acceptance per head {heads}" if tps else "")
+            )
+        first_off, first_on = rows[0], spec_rows[0]
+        if first_on["tokens_per_spec_step"] and first_on["spec_step_ms"]:
+            t = first_on["tokens_per_spec_step"]
+            c = first_on["spec_step_ms"] / first_off["decode_step_ms"]
+            first_on["prediction"] = {"T": t, "C": c, "predicted": t / c, "gpu_predicted": t}
+            print(
+                f"\nat {first_on['concurrency']} client(s): T = {t:.3f} tokens per speculative "
+                f"step, C = {first_on['spec_step_ms']:.1f} / {first_off['decode_step_ms']:.1f} ms "
+                f"= {c:.3f} (speculative step, drafting included, over the off server's decode "
+                f"step), predicted T/C = {t / c:.3f}x, realised {first_on['speedup_vs_off']:.3f}x "
+                f"({first_on['speedup_vs_off'] / (t / c):.0%} of predicted); "
+                f"on a GPU, where C is about 1: {t:.2f}x"
             )
     name = "serving_speculator" if spec_rows else "serving"
     out = args.out or RESULTS / f"{name}.json"

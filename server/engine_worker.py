@@ -210,6 +210,8 @@ class EngineWorker:
         self._prefix_hit_tokens = hits
         for out in outputs:
             m.observe_speculation(out.draft_depth, out.num_accepted_tokens)
+        if any(out.draft_depth for out in outputs):
+            m.spec_step_duration.observe(forward_end - start)
 
     def _mark_started(self, step_start: float, outputs: Sequence[EngineOutput]) -> list[Submission]:
         """Set `timing.started` of the queued requests the last step scheduled (still live and

@@ -267,6 +267,12 @@ class ServerMetrics:
             buckets=tuple(range(1, 17)),
             registry=r,
         )
+        self.spec_step_duration = Histogram(
+            "tgi_spec_step_duration",
+            "Engine steps that verified draft trees: the step, drafting the next included (s)",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
         self.spec_head_proposed = Counter(
             "tgi_spec_head_proposed",
             "Verified trees deep enough to reach this head position (0 = first draft)",

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from engine.paths import model_path
+from engine.speculator.loader import write_draft_vocabulary
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from tests.reference import CHAT_PROMPTS, compare_greedy, hf_greedy
@@ -34,6 +36,8 @@ def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     spec = write_tiny_speculator(
         tmp_path_factory.mktemp("spec"), model_path(MODEL), n_predict=3, tie_weights=True
     )
+    vocab_size = json.loads((model_path(MODEL) / "config.json").read_text())["vocab_size"]
+    write_draft_vocabulary(spec, torch.arange(0, vocab_size, 2))  # drafts from even ids only
     env = {
         "SPECULATOR_PATH": str(spec),
         "SPECULATOR_TOP_K_TOKENS_PER_HEAD": "4,2,2",
@@ -102,6 +106,10 @@ def test_outputs_equal_transformers_and_streams_one_message_per_token(
     assert _metric(text, "tgi_spec_proposed_tokens_total") >= steps
     assert _metric(text, 'tgi_spec_head_proposed_total{head="0"}') == steps
     assert _metric(text, "tgi_spec_tokens_per_step_count") == steps
+    vocab_size = json.loads((model_path(MODEL) / "config.json").read_text())["vocab_size"]
+    assert f"drafting from {vocab_size // 2} tokens" in spec_server.log_path.read_text()
+    spec_steps = _metric(text, "tgi_spec_step_duration_count")
+    assert 0 < spec_steps <= steps  # engine steps; a step may verify several requests' trees
     assert _metric(text, "tgi_kv_cache_blocks_used") == 0
 
 
