@@ -5,8 +5,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SPECSERVE_HOME ?= $(HOME)/.cache/specserve
 export SPECSERVE_HOME
-SPECULATOR_MINUTES ?= 12
-SPECULATOR_PROMPTS ?= 1024
+SPECULATOR_MINUTES ?= 10
+SPECULATOR_EPOCHS ?= 20
+SPECULATOR_PROMPTS ?= 1792
+SPECULATOR_MAX_NEW_TOKENS ?= 128
 
 .DEFAULT_GOAL := help
 
@@ -61,7 +63,9 @@ run: models gen-proto ## Serve the default model (with its speculator once `make
 
 .PHONY: speculator
 speculator: models ## Train the default model's speculator (cached; under 30 min on 2 CPU cores); prints its folder last
-	$(PY) -m engine.speculator.train --num-prompts $(SPECULATOR_PROMPTS) --minutes $(SPECULATOR_MINUTES)
+	$(PY) -m engine.speculator.train --num-prompts $(SPECULATOR_PROMPTS) \
+		--max-new-tokens $(SPECULATOR_MAX_NEW_TOKENS) --epochs $(SPECULATOR_EPOCHS) \
+		--minutes $(SPECULATOR_MINUTES)
 
 .PHONY: image
 image: ## docker build the CUDA image specserve:latest (the Dockerfile's default target)

@@ -144,6 +144,16 @@ def test_training_lowers_the_loss_on_a_fixed_batch(tiny: Path, base: BaseMatrice
     assert after.head_accuracy[0] > before.head_accuracy[0]
 
 
+def test_a_time_budget_cuts_the_plan_after_sixty_steps(tiny: Path, base: BaseMatrices) -> None:
+    data = synthetic_data(64, 49152)  # 3 batches of 32 per epoch
+    settings = make_settings(epochs=30, minutes=1e-5)
+    state = train_speculator(build(tiny, base, settings), [data], settings, log=quiet)
+    assert (state.step, state.total) == (60, 60)
+    roomy = replace(settings, minutes=60.0)
+    state = train_speculator(build(tiny, base, roomy), [data], roomy, log=quiet)
+    assert (state.step, state.total) == (90, 90)
+
+
 def test_loss_over_a_partial_vocabulary_matches_a_per_position_oracle(
     tiny: Path, base: BaseMatrices
 ) -> None:

@@ -60,6 +60,7 @@ from engine.speculator.train_model import (
 from engine.speculator.train_prompts import eval_prompts, read_prompts, read_texts, train_prompts
 
 CHECKPOINT = Path("train") / "checkpoint.pt"
+_FIT_FROM, _FIT_AT = 10, 60  # `minutes` fits the plan at step _FIT_AT, timing from _FIT_FROM
 VOCABULARIES = ("frequent", "active", "full")
 
 
@@ -220,12 +221,12 @@ def train_speculator(
     log: Callable[[str], None] = print,
 ) -> TrainState:
     """Train `model` in place on each stage's data in turn (`epochs` passes each, positions
-    shuffled per epoch; with `minutes`, the plan shrinks after the first steps so that training
-    ends in time), the heads' softmax over `vocab_ids` (default: `training_vocabulary`). Saves
-    optimizer and step to `checkpoint` every `checkpoint_every` steps and at the end; with
-    `resume`, continues from it exactly (same batches, same learning rates). `stop_at` ends
-    this call early, after that step, leaving a resumable checkpoint. Returns the state
-    reached."""
+    shuffled per epoch; with `minutes`, the plan shrinks after 60 steps, at the pace of steps
+    10-60 (the first ones are slower), so that training ends in time), the heads' softmax over
+    `vocab_ids` (default: `training_vocabulary`). Saves optimizer and step to `checkpoint`
+    every `checkpoint_every` steps and at the end; with `resume`, continues from it exactly
+    (same batches, same learning rates). `stop_at` ends this call early, after that step,
+    leaving a resumable checkpoint. Returns the state reached."""
     model.to(device)
     optimizer = torch.optim.AdamW(
         model.parameter_groups(settings.weight_decay),
@@ -270,6 +271,7 @@ def train_speculator(
 
     progress = Progress(state.total, state.step)
     started, timed_from = time.perf_counter(), state.step
+    fit_mark = 0.0  # training seconds at step timed_from + _FIT_FROM
     running: list[torch.Tensor] = []
     model.train()
     step = 0  # global index of the batch being considered
@@ -317,11 +319,13 @@ def train_speculator(
                             "accuracy": [round(a, 4) for a in mean[1:].tolist()],
                         }
                     )
-                if settings.minutes and state.step == timed_from + 10:
+                if settings.minutes and state.step == timed_from + _FIT_FROM:
+                    fit_mark = state.seconds + elapsed
+                if settings.minutes and state.step == timed_from + _FIT_AT:
                     _fit_plan(
                         state,
                         settings.minutes * 60 - state.seconds - elapsed,
-                        elapsed / 10,
+                        (state.seconds + elapsed - fit_mark) / (_FIT_AT - _FIT_FROM),
                         stage,
                         step + 1 - stage_start,
                     )
