@@ -169,7 +169,7 @@ def print_table(rows: list[dict[str, Any]], header: bool = True) -> None:
         )
 
 
-_STEP_TIME = 'tgi_batch_inference_forward_duration_{}{{method="next_token",makeup="single_only"}}'
+_STEP_TIME = 'tgi_batch_inference_forward_duration_{}{{makeup="single_only",method="next_token"}}'
 
 
 def spec_counters(server: ServerProcess) -> dict[str, float]:
@@ -359,7 +359,7 @@ def main() -> None:
                 + (f", {tps:.2f} tokens/step, acceptance per head {heads}" if tps else "")
             )
         first_off, first_on = rows[0], spec_rows[0]
-        if first_on["tokens_per_spec_step"] and first_on["spec_step_ms"]:
+        if first_on["spec_step_ms"] and first_off["decode_step_ms"]:
             t = first_on["tokens_per_spec_step"]
             c = first_on["spec_step_ms"] / first_off["decode_step_ms"]
             first_on["prediction"] = {"T": t, "C": c, "predicted": t / c, "gpu_predicted": t}
