@@ -237,13 +237,13 @@ class MLPSpeculator(nn.Module):
             raise ValueError(f"draft vocabulary must be non-empty token ids below {vocab}")
         if torch.unique(ids).numel() != ids.numel():
             raise ValueError("draft vocabulary has repeated token ids")
+        ids = ids.to(cast(nn.Linear, self.head[0]).weight.device)
         sliced: dict[int, nn.Linear] = {}
         for i, head in enumerate(self.head):
             full = cast(nn.Linear, head)
-            ids = ids.to(full.weight.device)
             if id(full) not in sliced:
                 weight = full.weight[ids]  # [V', inner]
-                small = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+                small = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
                 small.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
                 sliced[id(full)] = small
             self.head[i] = sliced[id(full)]
