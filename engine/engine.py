@@ -181,7 +181,7 @@ class LLMEngine:
         if self.policy is not None and sched.scheduled_requests:
             seconds = time.perf_counter() - start + self._propose_seconds
             self.policy.observe_step(
-                sched.total_num_scheduled_tokens, seconds, bool(sched.scheduled_spec_token_ids)
+                sched.total_num_scheduled_tokens, seconds, len(sched.scheduled_spec_token_ids)
             )
         start = time.perf_counter()
         self._propose()
@@ -362,7 +362,15 @@ class LLMEngine:
                 inputs.append(ProposalInput(req.request_id, req.all_token_ids, hidden, max_depth))
         num_candidates = self.proposer.num_candidates
         if self.policy is not None:
-            num_plain_rows = self.scheduler.num_running - len(inputs)
+            drafting = {p.request_id for p in inputs}
+            num_plain_rows = min(
+                sum(
+                    req.num_tokens - req.num_computed_tokens
+                    for req in self.scheduler.running
+                    if req.request_id not in drafting
+                ),
+                self.scheduler.config.max_num_batched_tokens - len(inputs),
+            )
             num_candidates = self.policy.choose(num_plain_rows, len(inputs))
             if self.policy.probing:
                 inputs = inputs[:1]

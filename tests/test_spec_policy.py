@@ -39,49 +39,99 @@ def test_interpolates_measured_step_times() -> None:
     assert policy.predict_seconds(6) == pytest.approx(0.020)
     assert policy.predict_seconds(1) == pytest.approx(0.010)
     assert policy.predict_seconds(14) == pytest.approx(0.040)  # along the last two
-    assert policy.predict_seconds(4, speculative=True) is None  # no speculative step yet
-    policy.observe_step(8, 0.040, speculative=True)
-    assert policy.predict_seconds(16, speculative=True) == pytest.approx(0.080)
+    assert policy.predict_seconds(4, num_trees=1) is None  # no speculative step yet
+    policy.observe_step(6, 0.030, num_trees=1)  # 10 ms over a plain 6-row step
+    policy.observe_step(10, 0.060, num_trees=1)  # 30 ms over
+    assert policy.predict_seconds(8, num_trees=1) == pytest.approx(0.025 + 0.020)
+    assert policy.predict_seconds(2, num_trees=1) == pytest.approx(0.010 + 0.010)  # level
+    assert policy.predict_seconds(14, num_trees=1) == pytest.approx(0.040 + 0.030)  # level
+    policy.observe_step(10, 0.090, num_trees=4)
+    assert policy.predict_seconds(10, num_trees=3) == pytest.approx(0.090)  # nearest: 4 trees
+    assert policy.predict_seconds(10, num_trees=2) == pytest.approx(0.060)  # nearest: 1 tree
+    assert policy.predict_seconds(10, num_trees=8) == pytest.approx(0.090)
+
+
+def test_a_step_time_is_the_fastest_of_the_recent_ones() -> None:
+    policy = SpeculationPolicy(num_candidates=1, window=3)
+    for seconds in (0.010, 0.050, 0.012):
+        policy.observe_step(1, seconds)
+    assert policy.predict_seconds(1) == pytest.approx(0.010)  # a slow step does not count
+    for seconds in (0.014, 0.016):
+        policy.observe_step(1, seconds)
+    assert policy.predict_seconds(1) == pytest.approx(0.012)  # 10 ms is no longer recent
 
 
 def test_chooses_the_best_expected_rate() -> None:
-    policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0)
-    assert policy.choose(num_plain_rows=0, num_spec_requests=2) == 3  # nothing known: full tree
-    policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
+    policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0, min_samples=1)
+    assert policy.choose(num_plain_rows=0, num_spec_requests=2) == 0  # times a plain step first
     policy.observe_step(2, 0.010)
+    policy.observe_step(16, 0.024)  # plain: 10 ms + 1 ms a row over 2
+    assert policy.choose(0, 2) == 3 and policy.probing  # no tree verified yet: a probe
+    policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
     for rows, seconds in [(8, 0.020), (10, 0.060), (16, 0.100)]:
-        policy.observe_step(rows, seconds, speculative=True)
+        policy.observe_step(rows, seconds, num_trees=2)
     # Two requests: k=0 -> 2 tokens / 10 ms; k=1 -> 6 / 20 ms; k=2 -> 8 / 60 ms; k=3 -> 8 / 100.
-    assert policy.choose(0, 2) == 1
-    policy.observe_step(8, 0.100, speculative=True)  # drafting got dear: 6 / 100 ms loses
-    assert policy.choose(0, 2) == 0
+    assert policy.choose(0, 2) == 1 and not policy.probing
+    policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0, min_samples=1)
+    policy.observe_step(2, 0.010)
+    policy.observe_step(16, 0.024)
+    policy.observe_tree(TREE, [1, 2, 4, 8])
+    for rows, seconds in [(8, 0.100), (10, 0.110), (16, 0.120)]:  # drafting is dear
+        policy.observe_step(rows, seconds, num_trees=2)
+    assert policy.choose(0, 2) == 0  # 2 tokens / 10 ms beats 6 / 100 ms
     assert policy.choose(0, 0) == 0
 
 
-def test_refreshes_the_full_tree_statistics() -> None:
-    policy = SpeculationPolicy(num_candidates=3, refresh_every=2, alpha=1.0)
-    policy.observe_tree(TREE, [1, 2, 4, 8])
-    policy.observe_step(1, 0.010)
+def test_a_step_of_more_trees_is_priced_by_its_own_measurements() -> None:
+    """One request's 4-row tree says little about four requests' 4-row trees (four draftings,
+    four trees' bookkeeping): once a step of four trees is timed, four are priced by it."""
+    policy = SpeculationPolicy(num_candidates=1, refresh_every=1000, alpha=1.0, min_samples=1)
+    tree = DraftTree.from_paths([[1, 2, 3]])
+    policy.observe_tree(tree, [1, 9])  # T_1 = 2, S_1 = 4
+    for rows, seconds in [(1, 0.020), (4, 0.022), (16, 0.030)]:
+        policy.observe_step(rows, seconds)
+    policy.observe_step(4, 0.030, num_trees=1)  # 8 ms over plain
+    assert policy.choose(0, 1) == 1  # 2 tokens / 30 ms beats 1 / 20 ms
+    assert policy.choose(0, 4) == 1  # priced from one tree: 8 tokens / 38 ms beat 4 / 22 ms
+    policy.observe_step(16, 0.080, num_trees=4)
+    assert policy.choose(0, 4) == 0  # 8 tokens / 80 ms lose
+    assert policy.choose(0, 1) == 1
+
+
+def test_speculates_only_against_a_current_plain_time() -> None:
+    """Speculation waits for `min_samples` plain steps of the rows it must beat; after
+    `2 * refresh_every` decisions without one, a step decodes plainly to time it again, and
+    every `refresh_every` speculative steps verify the full tree."""
+    policy = SpeculationPolicy(num_candidates=3, refresh_every=2, alpha=1.0, min_samples=2)
+    policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
     for rows, seconds in [(4, 0.011), (5, 0.5), (8, 0.9)]:
-        policy.observe_step(rows, seconds, speculative=True)
-    assert [policy.choose(0, 1) for _ in range(6)] == [1, 1, 3, 1, 1, 3]
+        policy.observe_step(rows, seconds, num_trees=1)
+    choices = []
+    for _ in range(10):
+        choices.append(policy.choose(0, 1))
+        if choices[-1] == 0:
+            policy.observe_step(1, 0.010)
+    assert choices == [0, 0, 1, 1, 3, 1, 0, 1, 3, 1]
 
 
 def test_explores_again_after_many_plain_decisions() -> None:
     """A tree that looked too dear once is verified again every `explore_every` decisions, and
     the policy switches to it when the new measurements show it pays."""
-    policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0, explore_every=5)
+    policy = SpeculationPolicy(
+        num_candidates=3, refresh_every=1000, alpha=1.0, explore_every=5, min_samples=1
+    )
     policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
     policy.observe_step(2, 0.010)
-    policy.observe_step(8, 0.500, speculative=True)  # a cold first speculative step
+    policy.observe_step(16, 0.024)  # plain: 10 ms + 1 ms a row over 2
+    policy.observe_step(8, 0.500, num_trees=1)  # a cold first speculative step
     choices = []
     for _ in range(11):
         choices.append(policy.choose(0, 2))
         assert policy.probing == (choices[-1] > 0)  # a probe: one request drafts
     assert choices == [0] * 5 + [3] + [0] * 5
     assert policy.choose(0, 2) == 3  # explores again
-    policy.observe_step(8, 0.012, speculative=True)  # measured again: 1.5 ms a row
-    # k=1: 6 tokens / 12 ms; k=2: 8 tokens / 15 ms; k=3: 8 tokens / 24 ms; k=0: 2 / 10 ms.
+    policy.observe_step(8, 0.020, num_trees=1)  # measured again: 4 ms over plain
+    # k=1: 6 tokens / 20 ms; k=2: 8 tokens / 22 ms; k=3: 8 tokens / 28 ms; k=0: 2 / 10 ms.
     assert policy.choose(0, 2) == 2
     assert not policy.probing
 
@@ -89,13 +139,13 @@ def test_explores_again_after_many_plain_decisions() -> None:
 def test_plain_steps_do_not_price_trees() -> None:
     """A prefill chunk of 16 rows is cheap per row; a speculative step of 16 rows (drafting,
     tree attention) is not. Only speculative steps price a tree."""
-    policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0)
+    policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0, min_samples=1)
     policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
     for rows in (2, 8, 10, 16, 32):
         policy.observe_step(rows, 0.010 + 0.0005 * rows)  # plain: decodes and prefill chunks
-    assert policy.predict_seconds(8, speculative=True) is None
+    assert policy.predict_seconds(8, num_trees=2) is None
     for rows in (8, 10, 16):
-        policy.observe_step(rows, 0.100, speculative=True)
+        policy.observe_step(rows, 0.100, num_trees=2)
     assert policy.choose(0, 2) == 0  # 2 tokens / 11 ms beats 6 tokens / 100 ms
 
 
@@ -114,7 +164,7 @@ def test_engine_stops_speculating_when_drafts_never_pay(tmp_path: Path) -> None:
     result = run(engine, [prompt], SamplingParams(max_new_tokens=64))
     compare_greedy(result.token_ids["0"], hf_greedy(path, tuple(prompt), 64))
     depths = [o.draft_depth for o in result.outputs["0"]]
-    assert sum(d > 0 for d in depths[:3]) >= 1  # tried
+    assert sum(d > 0 for d in depths[:6]) >= 1  # tried, after timing plain steps
     assert sum(d > 0 for d in depths[-20:]) <= 2  # then (nearly) never again: random drafts
 
 

@@ -4,24 +4,34 @@ Before each step the engine asks `choose(num_plain_rows, num_spec_requests)` for
 candidate paths each speculating request verifies (0: none, decode normally). The choice
 maximises the step's expected tokens per second,
 
-    (num_plain_rows + num_spec_requests * T_k) / time(num_plain_rows + num_spec_requests * S_k)
+    (num_plain_rows + n * T_k) / time(num_plain_rows + n * S_k rows, n trees)
 
-with T_k the mean tokens a request gains with its first k candidates (accepted drafts + 1;
-T_0 = 1), S_k the mean rows their tree takes (S_0 = 1) and time(rows) the measured time of a
-step of that many rows: of plain steps for k = 0, of speculative steps (drafting included) for
-k > 0, kept apart because a tree's rows cost more than as many prompt rows. Every verified tree of K
+with n = num_spec_requests, T_k the mean tokens a request gains with its first k candidates
+(accepted drafts + 1; T_0 = 1) and S_k the mean rows their tree takes (S_0 = 1). Step times are
+measured: plain steps by their rows; speculative steps (drafting included) by their rows and
+their number of trees, since a tree's rows cost more than as many prompt rows and every tree
+adds its own drafting and bookkeeping, so one request's 16-row tree says little about four
+requests' 4-row trees. A step time is the least of its last `window` measurements: other work
+on the host only ever adds time, so slow steps (a cold start, a busy neighbour) do not steer
+the choice. Every verified tree of K
 candidates also tells what each k <= K would have accepted (`DraftTree.match_lengths`), so one
-full-tree step updates every T_k. Before any speculative step is timed, the tree is tried;
-every `refresh_every` speculative steps the full tree is verified again so that T_k stays
-current, and after `explore_every` plain decisions in a row it is tried again, so that one
-unlucky early measurement (a cold first step, drafts that missed) cannot turn speculation off for
-good. Such tries only measure: `probing` tells the engine to draft for one request, so a probe
-costs one tree's rows, whatever the batch.
+full-tree step updates every T_k.
+
+What the choice rests on is kept current: speculation waits until the plain step it must beat
+has been timed `min_samples` times, the last within `2 * refresh_every` decisions (else the step
+decodes plainly, and so times it), so that a host that sped up or slowed down since cannot make
+a stale plain time look dear or cheap; every `refresh_every` speculative steps the full tree is
+verified again so that T_k stays current; after `explore_every` plain decisions in a row the
+tree is tried again, so that one unlucky measurement (drafts that missed) cannot turn
+speculation off for good. Such tries only measure: `probing` tells the engine to draft for one
+request, so a probe costs one tree's rows, whatever the batch. A number of trees never timed is
+priced from the nearest one timed (fewer preferred); the step that follows measures it.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 
 from engine.speculator.tree import DraftTree
 
@@ -39,6 +49,28 @@ class _Mean:
         self.value += (x - self.value) * max(self.alpha, 1 / self.count)
 
 
+class _Fastest:
+    """The least of the last `window` samples (a busy host only ever adds time), and when (a
+    decision count) the last came."""
+
+    def __init__(self, window: int) -> None:
+        self.samples: deque[float] = deque(maxlen=window)
+        self.value = 0.0
+        self.last = 0
+
+    def add(self, x: float, when: int) -> None:
+        self.samples.append(x)
+        self.value = min(self.samples)
+        self.last = when
+
+    @property
+    def count(self) -> int:
+        return len(self.samples)
+
+
+_StepTimes = dict[int, _Fastest]  # rows -> step seconds
+
+
 class SpeculationPolicy:
     def __init__(
         self,
@@ -46,6 +78,8 @@ class SpeculationPolicy:
         refresh_every: int = 16,
         alpha: float = 0.05,
         explore_every: int = 100,
+        window: int = 8,
+        min_samples: int = 3,
     ) -> None:
         if num_candidates < 1:
             raise ValueError(f"num_candidates must be positive, got {num_candidates}")
@@ -53,19 +87,27 @@ class SpeculationPolicy:
         self.refresh_every = refresh_every
         self.explore_every = explore_every
         self.alpha = alpha
+        self.window = window
+        self.min_samples = min_samples
         self.tokens = [_Mean(alpha) for _ in range(num_candidates + 1)]  # T_k
         self.rows = [_Mean(alpha) for _ in range(num_candidates + 1)]  # S_k
-        self._step_seconds: tuple[dict[int, _Mean], dict[int, _Mean]] = ({}, {})  # plain, spec
-        self._since_full = 0
+        self._plain_seconds: _StepTimes = {}
+        self._spec_seconds: dict[int, _StepTimes] = {}  # number of trees -> their step times
+        self._num_decisions = 0
+        self._since_full = 0  # speculative decisions since the last full tree
         self._since_speculative = 0  # plain decisions in a row
         self.probing = False  # the last choice only measures: speculate for one request
 
     def choose(self, num_plain_rows: int, num_spec_requests: int) -> int:
-        """How many candidates each of `num_spec_requests` requests verifies next step."""
+        """How many candidates each of `num_spec_requests` requests verifies next step, in a
+        step that also computes `num_plain_rows` rows for other requests."""
         self.probing = False
         if num_spec_requests == 0:
             return 0
+        self._num_decisions += 1
         full = self.num_candidates
+        if not self._plain_time_is_current(num_plain_rows + num_spec_requests):
+            return self._chosen(0)
         if self.tokens[full].count == 0 or self._since_speculative >= self.explore_every:
             self.probing = True
             return self._chosen(full)
@@ -77,7 +119,7 @@ class SpeculationPolicy:
                 continue
             tokens = num_plain_rows + num_spec_requests * (self.tokens[k].value if k else 1.0)
             rows = num_plain_rows + num_spec_requests * (self.rows[k].value if k else 1.0)
-            seconds = self.predict_seconds(round(rows), speculative=k > 0)
+            seconds = self.predict_seconds(round(rows), num_spec_requests if k else 0)
             if seconds is None:  # no speculative step timed yet: try one
                 self.probing = True
                 return self._chosen(k)
@@ -99,33 +141,75 @@ class SpeculationPolicy:
             self.tokens[k].add(best + 1)
             self.rows[k].add(max(tree.leaves[:k]) + 1)
 
-    def observe_step(self, num_rows: int, seconds: float, speculative: bool = False) -> None:
-        """A step that fed `num_rows` tokens to the model took `seconds`; `speculative` when it
-        verified draft trees (its drafting included in `seconds`)."""
-        table = self._step_seconds[speculative]
-        table.setdefault(num_rows, _Mean(self.alpha)).add(seconds)
+    def observe_step(self, num_rows: int, seconds: float, num_trees: int = 0) -> None:
+        """A step that fed `num_rows` tokens to the model took `seconds`; `num_trees` draft trees
+        were verified in it (their drafting included in `seconds`)."""
+        table = (
+            self._plain_seconds if num_trees == 0 else self._spec_seconds.setdefault(num_trees, {})
+        )
+        table.setdefault(num_rows, _Fastest(self.window)).add(seconds, self._num_decisions)
 
-    def predict_seconds(self, num_rows: int, speculative: bool = False) -> float | None:
-        """The time of a plain (or `speculative`) step of `num_rows` rows: measured, or
-        interpolated between the nearest measured row counts, or extrapolated along the last
-        two (in proportion to the rows from one); None before any step of that kind."""
-        table = self._step_seconds[speculative]
-        if num_rows in table:
-            return table[num_rows].value
-        known = sorted(table)
-        if not known:
+    def predict_seconds(self, num_rows: int, num_trees: int = 0) -> float | None:
+        """The time of a step of `num_rows` rows that verifies `num_trees` draft trees (0: a plain
+        step), None before any step of that kind.
+
+        A plain step's time is measured, or interpolated between the nearest measured row
+        counts, or extrapolated along the last two (in proportion to the rows from one). A
+        speculative step costs a plain step of its rows plus an excess (drafting, tree
+        attention, verification) that is interpolated in the same way between the row counts
+        measured with that many trees but held level outside them; a number of trees never
+        timed takes the excess of the nearest one timed (fewer preferred)."""
+        plain_points = {r: m.value for r, m in self._plain_seconds.items()}
+        plain = _interpolate(plain_points, num_rows)
+        if num_trees == 0:
+            return plain
+        if not self._spec_seconds:
             return None
-        i = bisect.bisect_left(known, num_rows)
-        if i == len(known):
-            top = known[-1]
-            if len(known) == 1:
-                return table[top].value * num_rows / top
-            below = known[-2]
-            slope = (table[top].value - table[below].value) / (top - below)
-            return table[top].value + max(slope, 0.0) * (num_rows - top)
-        hi = known[i]
-        if i == 0:
-            return table[hi].value
-        lo = known[i - 1]
-        t_lo, t_hi = table[lo].value, table[hi].value
-        return t_lo + (t_hi - t_lo) * (num_rows - lo) / (hi - lo)
+        nearest = min(self._spec_seconds, key=lambda n: (abs(n - num_trees), n))
+        spec = {r: m.value for r, m in self._spec_seconds[nearest].items()}
+        if plain is None:
+            return _interpolate(spec, num_rows)
+        excess = {r: t - (_interpolate(plain_points, r) or 0.0) for r, t in spec.items()}
+        return plain + (_interpolate(excess, num_rows, level_outside=True) or 0.0)
+
+    def _plain_time_is_current(self, num_rows: int) -> bool:
+        """Whether the time of a plain `num_rows` step rests on `min_samples` measurements, of
+        the row count itself or else of both its measured neighbours, each measured within the
+        last `2 * refresh_every` decisions."""
+        table = self._plain_seconds
+        if num_rows in table:
+            used = [table[num_rows]]
+        else:
+            known = sorted(table)
+            i = bisect.bisect_left(known, num_rows)
+            used = [table[r] for r in known[max(i - 1, 0) : i + 1]]
+        return bool(used) and all(
+            m.count >= self.min_samples and self._num_decisions - m.last <= 2 * self.refresh_every
+            for m in used
+        )
+
+
+def _interpolate(points: dict[int, float], x: int, level_outside: bool = False) -> float | None:
+    """The value at `x` of the piecewise-linear curve through `points` (row count -> value); below
+    the first point, the first value; above the last, the last value when `level_outside`, else
+    extrapolated along the last two points (in proportion to x from one point). None without
+    points."""
+    if x in points:
+        return points[x]
+    known = sorted(points)
+    if not known:
+        return None
+    i = bisect.bisect_left(known, x)
+    if i == 0:
+        return points[known[0]]
+    if i == len(known):
+        top = known[-1]
+        if level_outside:
+            return points[top]
+        if len(known) == 1:
+            return points[top] * x / top
+        below = known[-2]
+        slope = (points[top] - points[below]) / (top - below)
+        return points[top] + max(slope, 0.0) * (x - top)
+    lo, hi = known[i - 1], known[i]
+    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
