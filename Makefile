@@ -92,6 +92,10 @@ bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/
 	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q 'matplotlib>=3.8'
 	$(PY) -m bench.bench_serving $(if $(SPECULATOR),--speculator $(SPECULATOR))
 
+.PHONY: bench-spec-onoff
+bench-spec-onoff: models ## Speculation on vs off in one engine, alternating 2.5 s windows, 1/4/16/32 clients (SPECULATOR=PATH, default: make speculator's)
+	$(PY) -m bench.spec_onoff --speculator $(or $(SPECULATOR),$(DEFAULT_SPECULATOR))
+
 .PHONY: clean
 clean: ## Remove the virtual environment and caches (not $SPECSERVE_HOME)
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

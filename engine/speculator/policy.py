@@ -13,9 +13,8 @@ their number of trees, since a tree's rows cost more than as many prompt rows an
 adds its own drafting and bookkeeping, so one request's 16-row tree says little about four
 requests' 4-row trees. A step time is the least of its last `window` measurements: other work
 on the host only ever adds time, so slow steps (a cold start, a busy neighbour) do not steer
-the choice. Every verified tree of K
-candidates also tells what each k <= K would have accepted (`DraftTree.match_lengths`), so one
-full-tree step updates every T_k.
+the choice. Every verified tree of K candidates also tells what each k <= K would have accepted
+(`DraftTree.match_lengths`), so one full-tree step updates every T_k.
 
 What the choice rests on is kept current: speculation waits until the plain step it must beat
 has been timed `min_samples` times, the last within `2 * refresh_every` decisions (else the step
@@ -32,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 
 from engine.speculator.tree import DraftTree
 
@@ -113,13 +113,14 @@ class SpeculationPolicy:
             return self._chosen(full)
         if self._since_full >= self.refresh_every:
             return self._chosen(full)
+        plain_time, spec_time = self._step_time(0), self._step_time(num_spec_requests)
         best_k, best_rate = 0, 0.0
         for k in range(full + 1):
             if k and self.tokens[k].count == 0:
                 continue
             tokens = num_plain_rows + num_spec_requests * (self.tokens[k].value if k else 1.0)
             rows = num_plain_rows + num_spec_requests * (self.rows[k].value if k else 1.0)
-            seconds = self.predict_seconds(round(rows), num_spec_requests if k else 0)
+            seconds = (spec_time if k else plain_time)(round(rows))
             if seconds is None:  # no speculative step timed yet: try one
                 self.probing = True
                 return self._chosen(k)
@@ -159,18 +160,21 @@ class SpeculationPolicy:
         attention, verification) that is interpolated in the same way between the row counts
         measured with that many trees but held level outside them; a number of trees never
         timed takes the excess of the nearest one timed (fewer preferred)."""
-        plain_points = {r: m.value for r, m in self._plain_seconds.items()}
-        plain = _interpolate(plain_points, num_rows)
+        return self._step_time(num_trees)(num_rows)
+
+    def _step_time(self, num_trees: int) -> Callable[[int], float | None]:
+        """`predict_seconds` for `num_trees` trees, as a function of the rows."""
+        plain = _Curve({r: m.value for r, m in self._plain_seconds.items()})
         if num_trees == 0:
             return plain
         if not self._spec_seconds:
-            return None
+            return lambda num_rows: None
         nearest = min(self._spec_seconds, key=lambda n: (abs(n - num_trees), n))
         spec = {r: m.value for r, m in self._spec_seconds[nearest].items()}
-        if plain is None:
-            return _interpolate(spec, num_rows)
-        excess = {r: t - (_interpolate(plain_points, r) or 0.0) for r, t in spec.items()}
-        return plain + (_interpolate(excess, num_rows, level_outside=True) or 0.0)
+        if not plain.xs:
+            return _Curve(spec)
+        excess = _Curve({r: t - plain.at(r) for r, t in spec.items()}, level_outside=True)
+        return lambda num_rows: plain.at(num_rows) + excess.at(num_rows)
 
     def _plain_time_is_current(self, num_rows: int) -> bool:
         """Whether the time of a plain `num_rows` step rests on `min_samples` measurements, of
@@ -189,27 +193,35 @@ class SpeculationPolicy:
         )
 
 
-def _interpolate(points: dict[int, float], x: int, level_outside: bool = False) -> float | None:
-    """The value at `x` of the piecewise-linear curve through `points` (row count -> value); below
-    the first point, the first value; above the last, the last value when `level_outside`, else
-    extrapolated along the last two points (in proportion to x from one point). None without
-    points."""
-    if x in points:
-        return points[x]
-    known = sorted(points)
-    if not known:
-        return None
-    i = bisect.bisect_left(known, x)
-    if i == 0:
-        return points[known[0]]
-    if i == len(known):
-        top = known[-1]
-        if level_outside:
-            return points[top]
-        if len(known) == 1:
-            return points[top] * x / top
-        below = known[-2]
-        slope = (points[top] - points[below]) / (top - below)
-        return points[top] + max(slope, 0.0) * (x - top)
-    lo, hi = known[i - 1], known[i]
-    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+class _Curve:
+    """The piecewise-linear curve through `points` (row count -> value); below the first point,
+    the first value; above the last, the last value when `level_outside`, else extrapolated
+    along the last two points (in proportion to x from one point)."""
+
+    def __init__(self, points: dict[int, float], level_outside: bool = False) -> None:
+        self.xs = sorted(points)
+        self.points = points
+        self.level_outside = level_outside
+
+    def __call__(self, x: int) -> float | None:
+        return self.at(x) if self.xs else None
+
+    def at(self, x: int) -> float:
+        """The value at `x`; needs at least one point."""
+        points, xs = self.points, self.xs
+        if x in points:
+            return points[x]
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return points[xs[0]]
+        if i == len(xs):
+            top = xs[-1]
+            if self.level_outside:
+                return points[top]
+            if len(xs) == 1:
+                return points[top] * x / top
+            below = xs[-2]
+            slope = (points[top] - points[below]) / (top - below)
+            return points[top] + max(slope, 0.0) * (x - top)
+        lo, hi = xs[i - 1], xs[i]
+        return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
