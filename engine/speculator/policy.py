@@ -113,7 +113,8 @@ class SpeculationPolicy:
             return self._chosen(full)
         if self._since_full >= self.refresh_every:
             return self._chosen(full)
-        plain_time, spec_time = self._step_time(0), self._step_time(num_spec_requests)
+        plain_time = self._plain_time()
+        spec_time = self._spec_time(plain_time, num_spec_requests)
         best_k, best_rate = 0, 0.0
         for k in range(full + 1):
             if k and self.tokens[k].count == 0:
@@ -160,13 +161,15 @@ class SpeculationPolicy:
         attention, verification) that is interpolated in the same way between the row counts
         measured with that many trees but held level outside them; a number of trees never
         timed takes the excess of the nearest one timed (fewer preferred)."""
-        return self._step_time(num_trees)(num_rows)
+        plain = self._plain_time()
+        return (self._spec_time(plain, num_trees) if num_trees else plain)(num_rows)
 
-    def _step_time(self, num_trees: int) -> Callable[[int], float | None]:
-        """`predict_seconds` for `num_trees` trees, as a function of the rows."""
-        plain = _Curve({r: m.value for r, m in self._plain_seconds.items()})
-        if num_trees == 0:
-            return plain
+    def _plain_time(self) -> _Curve:
+        return _Curve({r: m.value for r, m in self._plain_seconds.items()})
+
+    def _spec_time(self, plain: _Curve, num_trees: int) -> Callable[[int], float | None]:
+        """`predict_seconds` for `num_trees` > 0 trees, as a function of the rows, given the
+        plain step time `plain`."""
         if not self._spec_seconds:
             return lambda num_rows: None
         nearest = min(self._spec_seconds, key=lambda n: (abs(n - num_trees), n))
