@@ -31,6 +31,7 @@ COPY pyproject.toml README.md ./
 COPY proto/ proto/
 COPY engine/ engine/
 COPY server/ server/
+COPY training/ training/
 # The first install brings the dependencies (grpcio-tools among them); the stubs are generated
 # with them and the second install packages the stubs.
 RUN pip install . \
@@ -109,6 +110,7 @@ COPY pyproject.toml README.md ./
 COPY proto/ proto/
 COPY engine/ engine/
 COPY server/ server/
+COPY training/ training/
 RUN pip install . \
     && python -m server.proto_gen --force \
     && pip install --no-deps --force-reinstall . \

@@ -38,16 +38,16 @@ models: install ## Prepare SmolLM2-135M-Instruct and the tiny test checkpoints i
 
 .PHONY: lint
 lint: gen-proto ## ruff + mypy, hadolint on the Dockerfile, docker-compose.yml against the compose spec
-	$(VENV)/bin/ruff check engine server tests bench tools integration_tests
-	$(VENV)/bin/ruff format --check engine server tests bench tools integration_tests
-	$(VENV)/bin/mypy engine server tools
+	$(VENV)/bin/ruff check engine server training tests bench tools integration_tests
+	$(VENV)/bin/ruff format --check engine server training tests bench tools integration_tests
+	$(VENV)/bin/mypy engine server training tools
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
 
 .PHONY: format
 format: install ## Apply ruff's formatting and fixes
-	$(VENV)/bin/ruff format engine server tests bench tools integration_tests
-	$(VENV)/bin/ruff check --fix engine server tests bench tools integration_tests
+	$(VENV)/bin/ruff format engine server training tests bench tools integration_tests
+	$(VENV)/bin/ruff check --fix engine server training tests bench tools integration_tests
 
 .PHONY: test
 test: models lint gen-proto ## Install, prepare models, lint, run all tests
@@ -63,7 +63,7 @@ run: models gen-proto ## Serve the default model (with its speculator once `make
 
 .PHONY: speculator
 speculator: models ## Train the default model's speculator (cached; under 30 min on 2 CPU cores); prints its folder last
-	$(PY) -m engine.speculator.train --num-prompts $(SPECULATOR_PROMPTS) \
+	$(PY) -m training.train --num-prompts $(SPECULATOR_PROMPTS) \
 		--max-new-tokens $(SPECULATOR_MAX_NEW_TOKENS) --epochs $(SPECULATOR_EPOCHS) \
 		--minutes $(SPECULATOR_MINUTES)
 

@@ -24,10 +24,10 @@ from bench.bench_decode import best_of, engine_step, interleaved_min, matmul_flo
 from engine import LLM
 from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
-from engine.speculator.loader import load_speculator
-from engine.speculator.mlp_speculator import CANDIDATE_SELECTIONS
-from engine.speculator.proposer import use_engine_linears
-from engine.speculator.tree import DraftTree
+from engine.spec_decode.loader import load_speculator
+from engine.spec_decode.mlp_speculator import CANDIDATE_SELECTIONS
+from engine.spec_decode.proposer import use_engine_linears
+from engine.spec_decode.tree import DraftTree
 from tests.reference import CHAT_PROMPTS
 from tools.tiny_speculator import write_tiny_speculator
 

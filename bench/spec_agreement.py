@@ -23,10 +23,10 @@ import grpc
 
 from bench.chat_prompts import chat_texts
 from engine.paths import default_model_path
-from engine.speculator.train_prompts import eval_prompts
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from tools.server_process import ServerProcess
+from training.prompts import eval_prompts
 
 
 def serve_all(

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from bench.chat_prompts import SERVING_PROMPTS
 from engine import LLM
-from engine.engine import LLMEngine
+from engine.core import LLMEngine
 from engine.paths import default_model_path
-from engine.sampling_params import SamplingParams
-from engine.speculator.proposer import Proposer
+from engine.sampling.params import SamplingParams
+from engine.spec_decode.proposer import Proposer
 
 RESULTS = Path(__file__).parent / "results" / "spec_onoff.json"
 

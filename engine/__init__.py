@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.llm import LLM, GenerationOutput
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
 __all__ = ["LLM", "GenerationOutput", "SamplingParams"]
 
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(llm, name)
     if name == "SamplingParams":
-        from engine.sampling_params import SamplingParams
+        from engine.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

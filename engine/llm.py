@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.engine import LLMEngine
+from engine.core import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.paths import default_model_path
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.scheduler import SchedulerConfig
-from engine.speculator.loader import load_speculator
-from engine.speculator.policy import SpeculationPolicy
-from engine.speculator.proposer import MLPProposer, Proposer
+from engine.spec_decode.loader import load_speculator
+from engine.spec_decode.policy import SpeculationPolicy
+from engine.spec_decode.proposer import MLPProposer, Proposer
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import TypeVar, overload
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 T = TypeVar("T")
 

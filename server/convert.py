@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.request import FinishReason
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import TokenLogprobs
 from server.pb import generation_pb2 as pb
 from server.validation import DecodingParams
 

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.engine import EngineOutput
+from engine.core import EngineOutput
 from engine.request import FinishReason
-from engine.sampler import TokenLogprobs
+from engine.sampling.sampler import TokenLogprobs
 from server import convert
 from server.convert import OutputChunk, TokenDetail
 from server.engine_worker import GenerationError

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.engine import EngineOutput, LLMEngine
+from engine.core import EngineOutput, LLMEngine
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

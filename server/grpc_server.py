@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import grpc
 from transformers import PreTrainedTokenizerBase
 
-from engine.engine import EngineOutput
+from engine.core import EngineOutput
 from server import convert
 from server.convert import OutputChunk
 from server.detokenize import OutputTracker

@@ -25,12 +25,12 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from transformers import AutoTokenizer
 
-from engine.config import ServerConfig
-from engine.engine import LLMEngine
+from engine.core import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.scheduler import SchedulerConfig
-from engine.speculator.policy import SpeculationPolicy
-from engine.speculator.proposer import MLPProposer
+from engine.spec_decode.policy import SpeculationPolicy
+from engine.spec_decode.proposer import MLPProposer
+from server.config import ServerConfig
 from server.engine_worker import EngineWorker
 from server.grpc_server import GenerationServicer
 from server.http_server import HttpServer
@@ -62,7 +62,7 @@ def _load_proposer(config: ServerConfig, runner: ModelRunner) -> MLPProposer | N
     """The speculator at SPECULATOR_PATH as a proposer with the configured tree, or None."""
     if config.speculator_path is None:
         return None
-    from engine.speculator.loader import load_speculator
+    from engine.spec_decode.loader import load_speculator
 
     speculator = load_speculator(
         config.speculator_path,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from engine.config import ServerConfig
+from server.config import ServerConfig
 
 
 class TLSConfigError(ValueError):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.speculator.proposer import ProposalInput
-from engine.speculator.tree import DraftTree
+from engine.spec_decode.proposer import ProposalInput
+from engine.spec_decode.tree import DraftTree
 
 
 class ScriptedProposer:

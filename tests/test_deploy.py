@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import ServerConfig
+from server.config import ServerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 

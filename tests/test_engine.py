@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import LLMEngine
+from engine.core import LLMEngine
 from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.scheduler import SchedulerConfig
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.kv_cache import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 VOCAB = 50

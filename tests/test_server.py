@@ -29,8 +29,8 @@ import torch
 from google.protobuf import json_format
 from transformers import AutoTokenizer
 
-from engine.config import ServerConfig
 from engine.paths import model_path
+from server.config import ServerConfig
 from server.detokenize import IncrementalDetokenizer
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc

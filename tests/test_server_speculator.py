@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from engine.paths import model_path
-from engine.speculator.loader import write_draft_vocabulary
+from engine.spec_decode.loader import write_draft_vocabulary
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from tests.reference import CHAT_PROMPTS, compare_greedy, hf_greedy

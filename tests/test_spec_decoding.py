@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import EngineOutput, LLMEngine
+from engine.core import EngineOutput, LLMEngine
 from engine.model_runner import ModelRunner
 from engine.paths import model_path
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.scheduler import SchedulerConfig
-from engine.speculator.loader import load_speculator
-from engine.speculator.proposer import MLPProposer, Proposer
+from engine.spec_decode.loader import load_speculator
+from engine.spec_decode.proposer import MLPProposer, Proposer
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
 from tests.spec_double import ScriptedProposer
 from tools.tiny_speculator import write_tiny_speculator

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from engine.paths import model_path
-from engine.sampling_params import SamplingParams
-from engine.speculator.loader import load_speculator
-from engine.speculator.policy import SpeculationPolicy
-from engine.speculator.proposer import MLPProposer
-from engine.speculator.tree import DraftTree
+from engine.sampling.params import SamplingParams
+from engine.spec_decode.loader import load_speculator
+from engine.spec_decode.policy import SpeculationPolicy
+from engine.spec_decode.proposer import MLPProposer
+from engine.spec_decode.tree import DraftTree
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
 from tests.spec_double import ScriptedProposer
 from tests.test_spec_decoding import make_engine, run

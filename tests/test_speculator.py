@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.loader import CheckpointError
-from engine.speculator.loader import load_speculator, write_draft_vocabulary
-from engine.speculator.mlp_speculator import (
+from engine.spec_decode.loader import load_speculator, write_draft_vocabulary
+from engine.spec_decode.mlp_speculator import (
     DRAFT_VOCABULARY_FILE,
     MLPSpeculator,
     MLPSpeculatorConfig,
 )
-from engine.speculator.tree import DraftTree
+from engine.spec_decode.tree import DraftTree
 from tools.tiny_speculator import FORMATS, write_tiny_speculator
 
 

@@ -30,8 +30,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from engine.config import ServerConfig
 from engine.paths import model_path
+from server.config import ServerConfig
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from server.tls import TLSConfigError, server_credentials

@@ -12,23 +12,23 @@ import torch
 
 from engine.models.llama import LlamaConfig
 from engine.paths import model_path
-from engine.speculator.evaluate import evaluate_speculator
-from engine.speculator.loader import load_speculator
-from engine.speculator.train import (
+from engine.spec_decode.loader import load_speculator
+from training.data import TEACHER_TOP_K, AnswerSettings, DataBuilder, SpeculatorData
+from training.evaluate import evaluate_speculator
+from training.model import (
+    BaseMatrices,
+    TrainableSpeculator,
+    distillation_loss,
+    read_base_matrices,
+)
+from training.prompts import NUM_EVAL_PROMPTS, builtin_prompts, eval_prompts
+from training.train import (
     TrainSettings,
     learning_rate,
     save_speculator,
     train_speculator,
     training_vocabulary,
 )
-from engine.speculator.train_data import TEACHER_TOP_K, AnswerSettings, DataBuilder, SpeculatorData
-from engine.speculator.train_model import (
-    BaseMatrices,
-    TrainableSpeculator,
-    distillation_loss,
-    read_base_matrices,
-)
-from engine.speculator.train_prompts import NUM_EVAL_PROMPTS, builtin_prompts, eval_prompts
 
 TINY = "tiny-llama-gqa-tied"
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.models.llama import LlamaConfig
-from engine.speculator.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 
 FORMATS = ("safetensors", "bin", "sharded", "torch-file")
 

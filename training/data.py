@@ -36,10 +36,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerBase
 
-from engine.engine import StepStates
+from engine.core import StepStates
 from engine.llm import LLM
 from engine.model_runner import SequenceInput
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

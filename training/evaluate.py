@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.speculator.train_data import chat_prompt_ids
+from engine.sampling.params import SamplingParams
+from training.data import chat_prompt_ids
 
 
 @dataclass

@@ -33,7 +33,7 @@ import bisect
 from collections import deque
 from collections.abc import Callable
 
-from engine.speculator.tree import DraftTree
+from engine.spec_decode.tree import DraftTree
 
 
 class _Mean:

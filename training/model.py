@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.loader import CheckpointError, checkpoint_files, iter_tensors
-from engine.speculator.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
-from engine.speculator.train_data import Batch
+from engine.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from training.data import Batch
 
 MATRIX_MODES = ("factored", "frozen", "full")
 

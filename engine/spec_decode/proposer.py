@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from engine.layers.linear import Linear, select_kernels
-from engine.speculator.mlp_speculator import MLPSpeculator, check_selection, check_tree_shape
-from engine.speculator.tree import DraftTree
+from engine.spec_decode.mlp_speculator import MLPSpeculator, check_selection, check_tree_shape
+from engine.spec_decode.tree import DraftTree
 
 
 @dataclass(frozen=True)

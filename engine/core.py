@@ -15,12 +15,17 @@ import torch
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.request import Request
-from engine.sampler import TokenLogprobs, make_generator, sample_with_details, token_logprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import (
+    TokenLogprobs,
+    make_generator,
+    sample_with_details,
+    token_logprobs,
+)
 from engine.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.speculator.policy import SpeculationPolicy
-from engine.speculator.proposer import ProposalInput, Proposer
-from engine.speculator.tree import DraftTree
+from engine.spec_decode.policy import SpeculationPolicy
+from engine.spec_decode.proposer import ProposalInput, Proposer
+from engine.spec_decode.tree import DraftTree
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     specserve-train-speculator [train] --base MODEL_DIR [--name NAME | --out DIR]
         [--text FILE ...] [--prompts FILE ...] [--num-prompts N] [--epochs E] [--minutes M] ...
     specserve-train-speculator eval --speculator DIR [--base MODEL_DIR] [--prompts FILE ...]
-    python -m engine.speculator.train ...      (the same)
+    python -m training.train ...      (the same)
 
 Recipe (after fms-fsdp, mlp-speculator.md §5.2): the base model is frozen; its final-norm
 hidden states and tokens are the inputs; head i learns token t + 2 + i from state h_t and token
@@ -18,7 +18,7 @@ and the softmax runs over the draft vocabulary: by default the 4096 tokens most 
 teacher's top-1 (see `training_vocabulary` and `train_model`).
 
 The output folder gets `config.json` and `model.safetensors` (loadable by
-`engine.speculator.loader.load_speculator`), `draft_vocabulary.json` (the tokens the speculator
+`engine.spec_decode.loader.load_speculator`), `draft_vocabulary.json` (the tokens the speculator
 drafts from, unless `--vocabulary full`), `training.json` (settings, data, timings, loss and
 evaluation), `train/checkpoint.pt` (for `--resume`) and `data/` (the cached training data). A
 finished folder is left alone (its path printed) unless `--force`. The folder is always the last
@@ -42,22 +42,22 @@ from safetensors.torch import save_file
 
 from engine.models.llama import LlamaConfig
 from engine.paths import DEFAULT_MODEL_NAME, default_model_path, speculators_dir
-from engine.speculator.loader import write_draft_vocabulary
-from engine.speculator.mlp_speculator import (
+from engine.spec_decode.loader import write_draft_vocabulary
+from engine.spec_decode.mlp_speculator import (
     CANDIDATE_SELECTIONS,
     DRAFT_VOCABULARY_FILE,
     MLPSpeculator,
     MLPSpeculatorConfig,
 )
-from engine.speculator.train_data import AnswerSettings, DataBuilder, SpeculatorData
-from engine.speculator.train_model import (
+from training.data import AnswerSettings, DataBuilder, SpeculatorData
+from training.model import (
     MATRIX_MODES,
     TrainableSpeculator,
     distillation_loss,
     iter_unique_tensors,
     read_base_matrices,
 )
-from engine.speculator.train_prompts import eval_prompts, read_prompts, read_texts, train_prompts
+from training.prompts import eval_prompts, read_prompts, read_texts, train_prompts
 
 CHECKPOINT = Path("train") / "checkpoint.pt"
 _FIT_FROM, _FIT_AT = 10, 60  # `minutes` fits the plan at step _FIT_AT, timing from _FIT_FROM
@@ -513,7 +513,7 @@ def train_main(argv: Sequence[str]) -> Path:
     report["training"] = {"steps": state.step, "seconds": round(state.seconds, 1)}
     report["history"] = state.history
     if args.eval_prompts:
-        from engine.speculator.evaluate import evaluate_speculator
+        from training.evaluate import evaluate_speculator
 
         stats = evaluate_speculator(
             base,
@@ -558,7 +558,7 @@ def eval_main(argv: Sequence[str]) -> Path:
         report = speculator / "training.json"
         base = Path(json.loads(report.read_text())["base"]) if report.is_file() else None
     prompts = read_prompts(args.prompts) if args.prompts else eval_prompts()
-    from engine.speculator.evaluate import evaluate_speculator
+    from training.evaluate import evaluate_speculator
 
     stats = evaluate_speculator(
         base or default_model_path(),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engine.models.loader import CheckpointError, checkpoint_files, iter_tensors
-from engine.speculator.mlp_speculator import (
+from engine.spec_decode.mlp_speculator import (
     DRAFT_VOCABULARY_FILE,
     MLPSpeculator,
     MLPSpeculatorConfig,

@@ -1,0 +1,1 @@
+"""Token selection: per-request parameters, TGIS's logit rules, the sampler, prompt logprobs."""
