@@ -93,8 +93,8 @@ class ServerConfig:
     max_batch_size: int = field(
         default=32,
         metadata=_meta(
-            "Most requests in the running batch (TGIS's default is 12; 32 measured better "
-            "on CPU, see bench/bench_serving.py)."
+            "Most requests in the running batch (TGIS's default is 12); more requests per step "
+            "trade per-token latency for throughput."
         ),
     )
     max_batched_tokens: int = field(

@@ -3,7 +3,7 @@ through the frozen base model, a distillation loss over a candidate vocabulary, 
 plain MLPSpeculator.
 
 The expensive parts of a speculator are its [vocab, inner] embeddings and heads (49152 x 576 for
-SmolLM2: 57 MFLOP per token and head for the logits alone). Training keeps them factored:
+SmolLM2). Training keeps them factored:
 
     emb_i(tok)  = E[tok] @ B_i^T           E: the base input embeddings [vocab, hidden] (frozen)
     logits_i(s) = W @ (A_i s)              W: the base LM head [vocab, hidden] (frozen)
@@ -19,12 +19,11 @@ The loss is each head's cross-entropy against the teacher's top-k distribution u
 over the training vocabulary, which is also the speculator's draft vocabulary: the tokens most
 often the teacher's top-1 in the data, or every token among its top-k anywhere in it (about a
 third of SmolLM2's vocabulary on chat answers), or the whole vocabulary. Tokens outside it seldom
-win the base model's argmax (at 7% of held-out positions for SmolLM2's 4096 most frequent), and
-hardly ever where a draft would have been accepted, so leaving them out costs no measured
-acceptance and makes each step several times cheaper (on SmolLM2, 4096 tokens against the
-16.5k-token top-4 set: 2.7x the steps per second). A softmax over the batch's targets plus a few
-thousand random tokens learns to beat easy negatives rather than the plausible tokens that
-compete with the right one, and did worse in 10x the epochs.
+win the base model's argmax, and hardly ever where a draft would be accepted, so leaving them out
+keeps acceptance while making each step several times cheaper (figures: docs/training.md). The
+candidates are the plausible tokens themselves, not the batch's targets plus random negatives: a
+softmax over those learns to beat easy negatives rather than the tokens that compete with the
+right one.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ t + 1 by teacher forcing (MLPSpeculator.forward); the loss is the sum over heads
 cross-entropy; AdamW (betas 0.9 / 0.95, weight decay 0.1 on matrices), parabolic warm-up then
 cosine decay to 0.1 x the peak, gradient clipping at 1.0. Stage 1 trains on plain text
 (`--text`), stage 2 on the base model's own answers to chat prompts (`--prompts`, else the
-built-in training prompts of `train_prompts`). Deviations, for a small budget: the target is
-the base model's own top-k prediction (self-distillation, see `train_data`), both stages share
+built-in training prompts of `training.prompts`). Deviations, for a small budget: the target is
+the base model's own top-k prediction (self-distillation, see `training.data`), both stages share
 one learning-rate schedule, the vocabulary matrices are trained factored over the base model's,
 and the softmax runs over the draft vocabulary: by default the 4096 tokens most often the
-teacher's top-1 (see `training_vocabulary` and `train_model`).
+teacher's top-1 (see `training_vocabulary` and `train_speculator`).
 
 The output folder gets `config.json` and `model.safetensors` (loadable by
 `engine.spec_decode.loader.load_speculator`), `draft_vocabulary.json` (the tokens the speculator
