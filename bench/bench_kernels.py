@@ -26,7 +26,8 @@ from functools import partial
 import numpy as np
 import torch
 
-from engine.layers.linear import Linear, select_kernels
+from engine.kernels.autotune import select_kernels
+from engine.layers.linear import Linear
 
 HIDDEN, LAYERS = 576, 30
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}

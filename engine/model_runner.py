@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache, select_backend
+from engine.kernels.autotune import select_kernels
 from engine.kernels.cpu import load_cpu_kernels
-from engine.layers.linear import select_kernels
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import load_weights
 

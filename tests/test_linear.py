@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.linear import KERNELS, Linear, select_kernels
+from engine.kernels.autotune import select_kernels
+from engine.kernels.matmul import KERNELS
+from engine.layers.linear import Linear
 
 SHAPES = [(64, 96), (96, 40)]  # (in, out)
 MS = [1, 3, 8, 33, 300]
@@ -129,7 +131,7 @@ def test_load_bias_wrong_shape_raises() -> None:
 def test_selection_rejects_inexact_and_failing_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel that computes in bfloat16 is fast but inexact, one that raises is unusable: neither
     may be chosen, even over a slow exact kernel."""
-    from engine.layers import linear as mod
+    from engine.kernels import matmul as mod
 
     def build_bf16(layer: Linear, shared: dict) -> mod.KernelFn:
         w = layer.weight_view().bfloat16()
@@ -201,7 +203,7 @@ def test_defaults_and_layout() -> None:
 
 
 def test_openblas_runs_single_threaded() -> None:
-    from engine.layers import linear as mod
+    from engine.kernels import matmul as mod
 
     layer = Linear(24, 40, dtype=torch.float32, device="cpu")
     lib = mod._openblas_lib()

@@ -5,10 +5,9 @@ tree masks.
 Decode steps (one new token per sequence, no tree) take a shorter path: keys are gathered a
 block at a time and no mask is built unless the sequences' lengths differ.
 
-Small attention work runs on the calling thread only (`torch.set_num_threads(1)` around it): a
-decode step's attention is ~10-100 us per layer, less than waking the OpenMP workers costs, and on
-a loaded 2-core host each parallel region (SDPA always opens one) waited ~4 ms for the second
-core: a SmolLM2 batch-1 decode step took 250 ms instead of 35.
+Small attention work runs on the calling thread only (`torch.set_num_threads(1)` around it): it
+costs less than waking the OpenMP workers, and on a loaded host each parallel region (SDPA always
+opens one) would wait for a busy core.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@ attention over the paged KV cache.
 
 The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) for this CPU
 (`-march=native`) into `$SPECSERVE_HOME/kernels/`, keyed by the source, the flags and the CPU, so
-a later process loads it in a millisecond. Without a compiler `load_cpu_kernels` returns None and
+a later process loads it without compiling. Without a compiler `load_cpu_kernels` returns None and
 the model runs the same maths as ATen ops (`engine/models/llama.py`, `TorchAttentionBackend`).
 
-Why: a SmolLM2 decode step is ~25 ms of matrix products and, op by op in ATen, ~7 ms of glue
-(~25 small ops per layer at 3-7 us of dispatch each). These kernels make that glue 4 calls per
-layer and read the paged cache in place instead of gathering it.
+Why: op by op in ATen, the glue between a layer's matrix products is many small ops, each paying
+a dispatch cost larger than its arithmetic on decode-sized tensors. These kernels make that glue 4
+calls per layer and read the paged cache in place instead of gathering it.
 
 Contract of every method: float32 CPU tensors whose last dimension is contiguous; other strides
 as stated. Outputs are new contiguous tensors unless the method name ends in `_`.

@@ -1,8 +1,8 @@
 /*
  * Fused float32 CPU kernels for the decoder's glue and for attention over the paged KV cache.
  *
- * Each entry point replaces several ATen ops (each ~3-7 us of dispatch on a small tensor) with
- * one call. Loops are written so that the compiler vectorises them with `-fopenmp-simd` alone:
+ * Each entry point replaces several ATen ops (each paying a dispatch cost larger than its work on
+ * a small tensor) with one call. Loops are written so that the compiler vectorises them with `-fopenmp-simd` alone:
  * no OpenMP runtime, no fast-math. All functions run on the calling thread; the Python side may
  * split a batch of sequences across threads (ctypes releases the GIL around each call).
  *

@@ -9,7 +9,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.layers.linear import Linear, select_kernels
+from engine.kernels.autotune import select_kernels
+from engine.layers.linear import Linear
 from engine.spec_decode.mlp_speculator import MLPSpeculator, check_selection, check_tree_shape
 from engine.spec_decode.tree import DraftTree
 

@@ -1,0 +1,184 @@
+"""Kernel selection for `Linear` layers by measurement.
+
+``select_kernels`` times every candidate kernel of `engine.kernels.matmul.KERNELS` per distinct
+layer shape and per M bucket, rejects any kernel whose result is not fp32-exact against a float64
+reference, and installs the fastest per bucket in each layer. ``KernelTable`` reports what it
+measured and chose.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.kernels import matmul
+from engine.kernels.matmul import KernelFn
+from engine.layers.linear import Linear
+
+DEFAULT_M_VALUES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class Timing:
+    shape: tuple[int, int]  # (in, out)
+    m: int
+    kernel: str
+    ms: float  # best per-call time (the warm-up call's if calls == 0)
+    gbps: float  # weight bytes / best time
+    rel_err: float  # relative Frobenius error vs float64; inf if the kernel raised
+    exact: bool
+    calls: int = 0  # timed calls after the warm-up; 0 = pruned (or inexact)
+
+
+@dataclass
+class KernelTable:
+    """What ``select_kernels`` measured and chose. Holds the shared kernel resources."""
+
+    timings: list[Timing] = field(default_factory=list)
+    chosen: dict[tuple[int, int], dict[int, str]] = field(default_factory=dict)
+    threads: int = 1
+    seconds: float = 0.0
+    shared: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def format(self) -> str:
+        """A text table: ms per call (GB/s) for each kernel, shape and M; * marks the choice."""
+        names = sorted({t.kernel for t in self.timings})
+        lines = [f"{'shape':>12} {'M':>5} " + " ".join(f"{n:>17}" for n in names)]
+        cells: dict[tuple[tuple[int, int], int], dict[str, Timing]] = {}
+        for t in self.timings:
+            cells.setdefault((t.shape, t.m), {})[t.kernel] = t
+        for (shape, m), row in cells.items():
+            out = []
+            for n in names:
+                c = row.get(n)
+                mark = "*" if self.chosen.get(shape, {}).get(m) == n else " "
+                if c is None or not c.exact or not c.calls:
+                    text = "-" if c is None else "inexact" if not c.exact else "pruned"
+                    out.append(f"{text:>16}{mark}")
+                else:
+                    out.append(f"{c.ms:8.3f} ({c.gbps:5.1f})".rjust(16) + mark)
+            lines.append(f"{shape[0]:>5}->{shape[1]:<6} {m:>5} " + " ".join(out))
+        return "\n".join(lines)
+
+
+def _rel_err(layer: Linear, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Relative Frobenius error of y against float64 on up to ~256 sampled output columns."""
+    n = layer.out_features
+    ends = [torch.arange(min(n, 64)), torch.arange(max(0, n - 64), n)]  # tails, where bugs hide
+    cols = torch.unique(torch.cat([*ends, torch.linspace(0, n - 1, 128).long()]))
+    ref = x.double() @ layer.weight_view().index_select(0, cols).double().t()  # [M, cols]
+    if layer.bias is not None:
+        ref += layer.bias[cols].double()
+    got = y[:, cols].double()
+    if not bool(torch.isfinite(got).all()):
+        return float("inf")
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _time_cell(
+    layers: list[Linear],
+    fns: dict[str, list[KernelFn]],
+    x: torch.Tensor,
+    rounds: int,
+    target_s: float,
+    prune: float,
+) -> dict[str, Timing]:
+    """Warm up and check every kernel on x, then time the exact ones in interleaved rounds."""
+    k, n, m = layers[0].in_features, layers[0].out_features, x.shape[0]
+    tol = 16 * torch.finfo(x.dtype).eps * k**0.5
+    cells: dict[str, Timing] = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        try:
+            y = fn[0](x)
+        except Exception:  # a kernel that cannot run this case is never chosen for it
+            cells[name] = Timing((k, n), m, name, 0.0, 0.0, float("inf"), False)
+            continue
+        first = time.perf_counter() - t0
+        err = _rel_err(layers[0], x, y)
+        cells[name] = Timing((k, n), m, name, first * 1e3, 0.0, err, err <= tol)
+    for r in range(rounds):
+        exact = [c for c in cells.values() if c.exact]
+        fastest = min((c.ms for c in exact), default=0.0)
+        for c in exact:
+            if r and c.ms > prune * fastest:
+                continue  # cannot win (warm-up times are not compared: they include set-up)
+            calls = max(1, min(50, int(target_s * 1e3 / max(c.ms, 1e-3))))
+            fn = fns[c.kernel]
+            t0 = time.perf_counter()
+            for i in range(calls):
+                fn[i % len(fn)](x)  # next layer each call: weights come from memory
+            c.ms = min(c.ms, (time.perf_counter() - t0) / calls * 1e3)
+            c.calls += calls
+    for c in cells.values():
+        c.gbps = k * n * x.element_size() / c.ms / 1e6 if c.ms > 0 else 0.0
+    return cells
+
+
+def select_kernels(
+    linears: Iterable[Linear],
+    m_values: Sequence[int] = DEFAULT_M_VALUES,
+    kernels: Sequence[str] | None = None,
+    *,
+    rounds: int = 3,
+    target_s: float = 0.002,
+    prune: float = 1.25,
+    openblas_threads: int = 1,
+    default_margin: float = 1.1,
+) -> KernelTable:
+    """Time each candidate kernel per distinct (in, out, dtype, bias) group and per M in
+    ``m_values``; install the fastest exact one per M bucket in every layer of the group.
+
+    Call after the weights are loaded. Timed calls rotate over the group's layers, so weights come
+    from memory as in a real forward pass. A kernel is exact if its relative Frobenius error against
+    a float64 reference (sampled columns) is <= 16 * eps(dtype) * sqrt(in_features); inexact
+    kernels are never chosen. Each of ``rounds`` interleaved passes gives every candidate about
+    ``target_s`` (1 to 50 calls); after the first pass a candidate slower than ``prune`` x the
+    best so far is dropped. M above ``max(m_values)`` uses that bucket's choice.
+    Non-CPU layers keep ``F.linear`` and are not timed.
+
+    ``openblas_threads`` defaults to 1 on purpose: OpenBLAS workers spin-wait after each call and
+    starve the OpenMP threads of the torch ops that run between calls; one thread runs OpenBLAS on
+    the caller only. onnxruntime gets ``torch.get_num_threads()`` threads that do not spin.
+    The kernel `engine.kernels.matmul.default_kernel` names for an M is kept unless the fastest
+    exact one beats it by more than ``default_margin`` x.
+    """
+    t_start = time.perf_counter()
+    table = KernelTable(threads=torch.get_num_threads())
+    table.shared["openblas_threads"] = openblas_threads
+    groups: dict[tuple[Any, ...], list[Linear]] = {}
+    for layer in linears:
+        if layer.transposed:
+            key = (layer.in_features, layer.out_features, layer.dtype, layer.bias is not None)
+            groups.setdefault(key, []).append(layer)
+    gen = torch.Generator().manual_seed(0)
+    for (k, n, dtype, _), layers in groups.items():
+        registry = matmul.KERNELS  # looked up per call, so tests may substitute the registry
+        names = [
+            s.name for s in registry.values()
+            if (kernels is None or s.name in kernels) and s.supports(layers[0])
+        ]  # fmt: skip
+        fns = {name: [registry[name].build(ly, table.shared) for ly in layers] for name in names}
+        plan: dict[int, str] = {}
+        for m in sorted(set(m_values)):
+            x = torch.randn((m, k), generator=gen).to(dtype)
+            cells = _time_cell(layers, fns, x, rounds, target_s, prune)
+            table.timings.extend(cells.values())
+            exact = [c for c in cells.values() if c.exact]
+            best = min(exact, key=lambda c: c.ms) if exact else None
+            default = cells.get(matmul.default_kernel(m))
+            if best is not None and default is not None and default.exact:
+                plan[m] = default.kernel if default.ms <= default_margin * best.ms else best.kernel
+            else:
+                plan[m] = best.kernel if best is not None else "torch"
+            if plan[m] not in fns:  # nothing exact: fall back to F.linear
+                fns["torch"] = [matmul.torch_kernel(ly) for ly in layers]
+        table.chosen[(k, n)] = plan
+        for i, layer in enumerate(layers):
+            layer.install({m: (name, fns[name][i]) for m, name in plan.items()})
+    table.seconds = time.perf_counter() - t_start
+    return table
