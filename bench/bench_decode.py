@@ -12,28 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.common import best_of, engine_step, interleaved_min, matmul_floor
 from engine import LLM
 from engine.paths import default_model_path
-from tests.reference import CHAT_PROMPTS
+from training.prompts import CHAT_PROMPTS, chat_prompt_ids
 
 RESULTS = Path(__file__).parent / "results" / "decode.json"
-
-
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def decode_rate(generate: Callable[[int], object], batch: int, new_tokens: int) -> float:
@@ -41,56 +31,6 @@ def decode_rate(generate: Callable[[int], object], batch: int, new_tokens: int) 
     t_full = best_of(lambda: generate(new_tokens), 2)
     t_prefill = best_of(lambda: generate(1), 3)
     return batch * (new_tokens - 1) / (t_full - t_prefill)
-
-
-def interleaved_min(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Seconds of each function's fastest run, the functions called in turn `repeats` times, so
-    that a slow spell of a shared host hits all of them alike and ratios stay fair."""
-    best = dict.fromkeys(fns, float("inf"))
-    with torch.inference_mode():
-        for fn in fns.values():
-            fn()  # warm-up
-        for _ in range(repeats):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                fn()
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best
-
-
-def matmul_floor(llm: LLM, batch: int) -> Callable[[], None]:
-    """One decode step's linear layers alone, in model order, with the kernels the engine
-    chose, on `batch` rows."""
-    linears = llm.runner.model.linears()
-    inputs = [torch.randn(batch, lin.in_features) for lin in linears]
-
-    def step() -> None:
-        for lin, x in zip(linears, inputs, strict=True):
-            lin(x)
-
-    return step
-
-
-@contextmanager
-def engine_step(llm: LLM, prompts: list[list[int]]) -> Iterator[Callable[[], object]]:
-    """One decode forward pass (runner.execute) over len(prompts) sequences whose prompts are
-    in the cache; the sequences are freed on exit."""
-    from engine.model_runner import SequenceInput
-
-    kv, runner = llm.kv, llm.runner
-    for i, p in enumerate(prompts):
-        kv.allocate_slots(("bench", i), len(p) + 1)
-    try:
-        prefill = [SequenceInput(p, 0, kv.block_table(("bench", i))) for i, p in enumerate(prompts)]
-        runner.execute(prefill)
-        decode = [
-            SequenceInput([p[-1]], len(p), kv.block_table(("bench", i)))
-            for i, p in enumerate(prompts)
-        ]
-        yield lambda: runner.execute(decode)
-    finally:
-        for i in range(len(prompts)):
-            kv.free(("bench", i))
 
 
 def main() -> None:
@@ -102,12 +42,7 @@ def main() -> None:
 
     llm = LLM(args.model, dtype="float32")
     tok = llm.tokenizer
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False
-        )
-        for p in CHAT_PROMPTS
-    ]
+    prompts = chat_prompt_ids(tok, CHAT_PROMPTS)
 
     # The engine is measured first: transformers' runs leave the process slower for it.
     rows = []

@@ -26,6 +26,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from bench.common import best_of
 from engine.kernels.autotune import select_kernels
 from engine.layers.linear import Linear
 
@@ -69,14 +70,9 @@ def cpu_ticks() -> tuple[int, int, int]:
 
 
 def best_ms(fn: Callable[[], object], seconds: float = 0.1) -> float:
-    fn()
-    times = []
-    t_end = time.perf_counter() + seconds
-    while time.perf_counter() < t_end or len(times) < 3:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+    """Milliseconds of `fn`'s fastest call, after a warm-up call, over at least `seconds` and 3
+    calls."""
+    return best_of(fn, 3, seconds=seconds, warmup=True) * 1e3
 
 
 def layout_check(ms: tuple[int, ...]) -> list[dict[str, object]]:

@@ -42,12 +42,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from transformers import AutoTokenizer
 
-from bench.chat_prompts import SERVING_PROMPTS, chat_texts
+from bench.chat_prompts import SERVING_PROMPTS
 from engine.paths import default_model_path
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from tools.server_process import ServerProcess
+from training.prompts import chat_texts
 
 RESULTS = Path(__file__).parent / "results"
 TARGET_THROUGHPUT_RATIO = 8.0
@@ -324,7 +326,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="JSON output (default: bench/results/...)")
     args = parser.parse_args()
 
-    prompts = chat_texts(args.model, SERVING_PROMPTS)
+    prompts = chat_texts(AutoTokenizer.from_pretrained(str(args.model)), SERVING_PROMPTS)
     env = {"DTYPE_STR": "float32"}
     env.update(kv.split("=", 1) for kv in args.server_env)
     configs = {"off": (env, ("SPECULATOR_PATH", "SPECULATOR_NAME"))}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_decode import best_of, engine_step, interleaved_min, matmul_floor
+from bench.common import best_of, engine_step, interleaved_min, matmul_floor
 from engine import LLM
 from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
@@ -28,8 +28,8 @@ from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.mlp_speculator import CANDIDATE_SELECTIONS
 from engine.spec_decode.proposer import use_engine_linears
 from engine.spec_decode.tree import DraftTree
-from tests.reference import CHAT_PROMPTS
 from tools.tiny_speculator import write_tiny_speculator
+from training.prompts import CHAT_PROMPTS, chat_prompt_ids
 
 RESULTS = Path(__file__).parent / "results" / "verify.json"
 
@@ -47,13 +47,7 @@ def main() -> None:
 
     llm = LLM(args.model, dtype="float32", max_num_tokens=4096)
     runner, kv = llm.runner, llm.kv
-    prompt = list(
-        llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": CHAT_PROMPTS[0]}],
-            add_generation_prompt=True,
-            return_dict=False,
-        )
-    )
+    (prompt,) = chat_prompt_ids(llm.tokenizer, CHAT_PROMPTS[:1])
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = args.speculator or write_tiny_speculator(
             tmp, args.model, n_predict=len(args.top_k), inner_dim=runner.config.hidden_size

@@ -1,11 +1,7 @@
-"""Held-out chat prompts for the serving benchmark: none of them is used by the tests."""
+"""Held-out chat prompts for the serving benchmarks: none of them is used by the tests (wrap them
+with `training.prompts.chat_texts` or `chat_prompt_ids`)."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from pathlib import Path
-
-from transformers import AutoTokenizer
 
 SERVING_PROMPTS = [
     "What are three good habits for a healthy morning routine?",
@@ -49,16 +45,3 @@ SERVING_PROMPTS = [
     "Describe your ideal weekend in a few sentences.",
     "How do bees make honey?",
 ]
-
-
-def chat_texts(model: Path, prompts: Sequence[str]) -> list[str]:
-    """Each prompt as a user turn in `model`'s chat template, as text for a gRPC request."""
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    return [
-        str(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
-            )
-        )
-        for p in prompts
-    ]

@@ -20,13 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+from transformers import AutoTokenizer
 
-from bench.chat_prompts import chat_texts
 from engine.paths import default_model_path
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from tools.server_process import ServerProcess
-from training.prompts import eval_prompts
+from training.prompts import chat_texts, eval_prompts
 
 
 def serve_all(
@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--offline", type=float, help="the offline tokens per step to compare")
     args = parser.parse_args()
-    prompts = chat_texts(args.model, eval_prompts())
+    prompts = chat_texts(AutoTokenizer.from_pretrained(str(args.model)), eval_prompts())
     env = {"DTYPE_STR": "float32", "MAX_BATCH_SIZE": str(args.concurrency)}
     plain, _ = serve_all(args.model, env, ("SPECULATOR_PATH", "SPECULATOR_NAME"), prompts, args)
     spec_env = {

@@ -12,14 +12,6 @@ from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-# Tiny random Llama checkpoints for fast tests (made by `tools/prepare_models.py`).
-TINY_MODELS: tuple[str, ...] = (
-    "tiny-llama-gqa-tied",
-    "tiny-llama-mha-untied",
-    "tiny-llama-sharded",
-    "tiny-llama3-rope-scaling",
-)
-
 
 def specserve_home() -> Path:
     """The cache folder: `$SPECSERVE_HOME`, or `~/.cache/specserve` when unset or empty."""

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.paths import TINY_MODELS, default_model_path, model_path
+from engine.paths import default_model_path, model_path
+from tools.prepare_models import TINY_MODELS
 
 torch.manual_seed(0)
 

@@ -9,36 +9,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from training import prompts
+from training.prompts import CHAT_PROMPTS
+
 NEAR_TIE = 1e-4
 PROMPT_LOGITS_ATOL = 1e-4  # the prompt's last position
 DECODE_LOGITS_ATOL = 1e-3  # later steps: fp32 rounding accumulates through the KV cache
-
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain photosynthesis to a ten-year-old.",
-    "List three tips for staying focused while studying.",
-    "Translate 'good morning, how are you?' into Spanish.",
-    "What is 17 times 23?",
-    "Write a Python function that reverses a string.",
-    "Give me a short motivational quote.",
-    "Why is the sky blue?",
-    "Summarise the plot of Romeo and Juliet in two sentences.",
-    "What are the health benefits of drinking water?",
-    "Describe a sunset over the ocean.",
-    "How do I make a cup of tea?",
-    "Name five animals that live in the Arctic.",
-    "What is the difference between weather and climate?",
-    "Write a limerick about a cat who loves cheese.",
-    "Hi!",
-    "Can you explain what a neural network is, how it is trained with gradient descent, and "
-    "why deep networks became practical only in the last two decades? Please mention data, "
-    "hardware and algorithmic improvements, and keep the answer suitable for a newcomer who "
-    "knows some high-school mathematics but no programming at all.",
-    "Suggest a name for a bakery that specialises in sourdough bread.",
-    "What should I pack for a weekend hiking trip in the mountains during early spring, "
-    "given that the weather can change quickly?",
-]
 
 
 @cache
@@ -49,17 +25,9 @@ def hf_model(path: Path) -> PreTrainedModel:
 
 @cache
 def chat_prompt_ids(path: Path) -> tuple[tuple[int, ...], ...]:
-    tok = AutoTokenizer.from_pretrained(str(path))
-    return tuple(
-        tuple(
-            tok.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False
-            )
-        )
-        if tok.chat_template
-        else tuple(tok(p)["input_ids"])
-        for p in CHAT_PROMPTS
-    )
+    """CHAT_PROMPTS as token ids under the chat template of the model at `path`."""
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return tuple(tuple(ids) for ids in prompts.chat_prompt_ids(tokenizer, CHAT_PROMPTS))
 
 
 @dataclass(frozen=True)

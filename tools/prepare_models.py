@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.paths import DEFAULT_MODEL_NAME, TINY_MODELS, model_path, models_dir
+from engine.paths import DEFAULT_MODEL_NAME, model_path, models_dir
+from training.prompts import chat_texts
 
 if TYPE_CHECKING:
     import torch
@@ -117,7 +118,8 @@ TINY_SPECS: tuple[TinySpec, ...] = (
         rope_scaling=LLAMA3_ROPE_SCALING,
     ),
 )
-assert tuple(s.name for s in TINY_SPECS) == TINY_MODELS
+# The tiny checkpoints by name: the tests run on each of them (tests/conftest.py `tiny_path`).
+TINY_MODELS: tuple[str, ...] = tuple(s.name for s in TINY_SPECS)
 
 
 class PrepareError(RuntimeError):
@@ -321,9 +323,8 @@ def _build_smollm2(out: Path, wheel: Path | None) -> dict[str, Any]:
     for text in ("Hello world!  spaces\n\ttab", "<|im_start|>user\nhi<|im_end|>", "ünï 日本 🙂"):
         if tok2(text)["input_ids"] != tok(text)["input_ids"]:
             raise PrepareError(f"saved tokenizer encodes {text!r} differently from the GGUF one")
-    messages = [{"role": "user", "content": CHECK_QUESTION}]
-    prompt = tok2.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if not isinstance(prompt, str) or not prompt.endswith("<|im_start|>assistant\n"):
+    (prompt,) = chat_texts(tok2, [CHECK_QUESTION])
+    if not prompt.endswith("<|im_start|>assistant\n"):
         raise PrepareError(f"chat template renders unexpectedly: {prompt!r}")
     ids = tok2(prompt, return_tensors="pt")
     with torch.no_grad():

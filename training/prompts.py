@@ -1,5 +1,6 @@
-"""Built-in chat instructions for training and evaluating speculators, and prompt/text file
-readers.
+"""Built-in chat instructions for training and evaluating speculators, the chat prompts of the
+tests and benchmarks, the chat-template wrapping every user of these prompts shares, and
+prompt/text file readers.
 
 `builtin_prompts()` is a fixed, deterministic list: the first `NUM_EVAL_PROMPTS` entries are the
 held-out evaluation prompts, the rest are training prompts. Each family of prompts (topic
@@ -15,8 +16,76 @@ import json
 import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 NUM_EVAL_PROMPTS = 48
+
+# Chat prompts of the tests (greedy output against transformers) and of the decode and verify
+# benchmarks; none of them is a built-in training or evaluation prompt.
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain photosynthesis to a ten-year-old.",
+    "List three tips for staying focused while studying.",
+    "Translate 'good morning, how are you?' into Spanish.",
+    "What is 17 times 23?",
+    "Write a Python function that reverses a string.",
+    "Give me a short motivational quote.",
+    "Why is the sky blue?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "What are the health benefits of drinking water?",
+    "Describe a sunset over the ocean.",
+    "How do I make a cup of tea?",
+    "Name five animals that live in the Arctic.",
+    "What is the difference between weather and climate?",
+    "Write a limerick about a cat who loves cheese.",
+    "Hi!",
+    "Can you explain what a neural network is, how it is trained with gradient descent, and "
+    "why deep networks became practical only in the last two decades? Please mention data, "
+    "hardware and algorithmic improvements, and keep the answer suitable for a newcomer who "
+    "knows some high-school mathematics but no programming at all.",
+    "Suggest a name for a bakery that specialises in sourdough bread.",
+    "What should I pack for a weekend hiking trip in the mountains during early spring, "
+    "given that the weather can change quickly?",
+]
+
+
+def _user_turn(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each prompt as a user turn under the tokenizer's chat template (the plain
+    encoding when it has none), ready for generation."""
+    out = []
+    for prompt in prompts:
+        if tokenizer.chat_template:
+            ids: Any = tokenizer.apply_chat_template(
+                _user_turn(prompt), add_generation_prompt=True, return_dict=False
+            )
+            if not isinstance(ids, list):  # a BatchEncoding, should return_dict be ignored
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+        out.append([int(t) for t in ids])
+    return out
+
+
+def chat_texts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[str]:
+    """Each prompt as a user turn under the tokenizer's chat template, as text (e.g. for a gRPC
+    request; the prompt itself when the tokenizer has no template)."""
+    if not tokenizer.chat_template:
+        return list(prompts)
+    return [
+        str(
+            tokenizer.apply_chat_template(_user_turn(p), add_generation_prompt=True, tokenize=False)
+        )
+        for p in prompts
+    ]
+
 
 _TOPIC_TEMPLATES = (
     "Explain {} in simple terms.",
