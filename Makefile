@@ -53,6 +53,10 @@ format: install ## Apply ruff's formatting and fixes
 test: models lint gen-proto ## Install, prepare models, lint, run all tests
 	$(PY) -m pytest -q tests integration_tests/text_generation_tests
 
+.PHONY: test-fast
+test-fast: models gen-proto ## The unit tests only (tests/unit: no server process, no lint)
+	$(PY) -m pytest -q -m "not server" tests
+
 DEFAULT_SPECULATOR := $(SPECSERVE_HOME)/speculators/SmolLM2-135M-Instruct-accelerator
 
 .PHONY: run

@@ -16,7 +16,7 @@ from engine.spec_decode.proposer import MLPProposer
 from engine.spec_decode.tree import DraftTree
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
 from tests.spec_double import ScriptedProposer
-from tests.test_spec_decoding import make_engine, run
+from tests.unit.test_spec_decoding import make_engine, run
 from tools.tiny_speculator import write_tiny_speculator
 
 TREE = DraftTree.from_paths([[1, 2, 3], [1, 2, 4], [5, 6, 7]])  # leaves 3, 4, 7

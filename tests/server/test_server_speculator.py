@@ -1,17 +1,15 @@
 """The server with SPECULATOR_PATH: same outputs as transformers, one stream message per token,
 `tgi_spec_*` metrics, and a clear start-up refusal of a speculator that does not fit.
 
-The per-token rules inside accepted runs are tested at the engine (tests/test_spec_decoding.py),
-which the server runs unchanged; here the wiring is checked end to end.
+The per-token rules inside accepted runs are tested at the engine
+(tests/unit/test_spec_decoding.py), which the server runs unchanged; here the wiring is checked end
+to end.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,9 +21,10 @@ from engine.paths import model_path
 from engine.spec_decode.loader import write_draft_vocabulary
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
-from tests.reference import CHAT_PROMPTS, compare_greedy, hf_greedy
-from tools.server_process import REPO, ServerProcess
+from tests.reference import compare_greedy, hf_greedy
+from tools.server_process import ServerProcess
 from tools.tiny_speculator import write_tiny_speculator
+from training.prompts import CHAT_PROMPTS
 
 MODEL = "tiny-llama-gqa-tied"
 MAX_NEW = 24
@@ -48,10 +47,6 @@ def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     log = tmp_path_factory.mktemp("logs") / "server.log"
     with ServerProcess(MODEL, env=env, log_path=log) as server:
         yield server
-
-
-def _metrics(server: ServerProcess) -> str:
-    return urllib.request.urlopen(f"{server.http_url}/metrics", timeout=5).read().decode()
 
 
 def _metric(text: str, name: str) -> float:
@@ -100,31 +95,30 @@ def test_outputs_equal_transformers_and_streams_one_message_per_token(
     assert [m.tokens[0].text for m in token_messages] == [
         t.text for t in response.responses[0].tokens
     ]
-    text = _metrics(spec_server)
+    text = spec_server.metrics_text()
     steps = _metric(text, "tgi_spec_steps_total")
     assert steps > 0
     assert _metric(text, "tgi_spec_proposed_tokens_total") >= steps
     assert _metric(text, 'tgi_spec_head_proposed_total{head="0"}') == steps
     assert _metric(text, "tgi_spec_tokens_per_step_count") == steps
     vocab_size = json.loads((model_path(MODEL) / "config.json").read_text())["vocab_size"]
-    assert f"drafting from {vocab_size // 2} tokens" in spec_server.log_path.read_text()
+    assert f"drafting from {vocab_size // 2} tokens" in spec_server.log_text()
     spec_steps = _metric(text, "tgi_spec_step_duration_count")
     assert 0 < spec_steps <= steps  # engine steps; a step may verify several requests' trees
     assert _metric(text, "tgi_kv_cache_blocks_used") == 0
 
 
 def _start_fails(env: dict[str, str], tmp_path: Path) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "server.main"],
-        cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "MODEL_NAME": MODEL,
-             "GRPC_PORT": "0", "PORT": "0", **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    return proc.stdout + proc.stderr
+    """The output of a server that must refuse to start; only PATH is inherited."""
+    server = ServerProcess(
+        MODEL,
+        {"PATH": "/usr/bin:/bin", **env},
+        tmp_path / "refused.log",
+        start_timeout_s=120,
+        inherit_env=False,
+    )
+    assert server.run_to_exit() != 0
+    return server.log_text()
 
 
 def test_mismatched_speculator_is_refused_at_startup(tmp_path: Path) -> None:

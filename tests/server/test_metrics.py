@@ -19,8 +19,8 @@ from transformers import AutoTokenizer
 from engine.paths import model_path
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
-from tests.reference import CHAT_PROMPTS
 from tools.server_process import ServerProcess
+from training.prompts import CHAT_PROMPTS
 
 MODEL = "tiny-llama-gqa-tied"
 

@@ -8,19 +8,13 @@ TGIS's rules (tgis-interface.md §2.3-2.5, §5, §6).
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,50 +24,32 @@ from google.protobuf import json_format
 from transformers import AutoTokenizer
 
 from engine.paths import model_path
-from server.config import ServerConfig
-from server.detokenize import IncrementalDetokenizer
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
-from tests.reference import CHAT_PROMPTS, compare_greedy, hf_greedy, hf_model
+from tests.reference import compare_greedy, hf_greedy, hf_model
+from tools.server_process import ServerProcess, ServerStartError
+from training.prompts import CHAT_PROMPTS
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama-gqa-tied"
 MAX_SEQ = 256
 MAX_NEW = 128
 MAX_CONCURRENT = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Server:
-    proc: subprocess.Popen[str]
+    process: ServerProcess
     stub: generation_pb2_grpc.GenerationServiceStub
-    http: str
-    log: Path
 
     def metric(self, name: str) -> float:
-        text = urllib.request.urlopen(f"{self.http}/metrics", timeout=5).read().decode()
-        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-        assert match, f"{name} not in /metrics"
-        return float(match.group(1))
+        return self.process.metric(name)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     if not (model_path(MODEL) / "config.json").is_file():
         pytest.fail(f"{model_path(MODEL)} is missing: run `make models` first")
-    grpc_port, http_port = _free_port(), _free_port()
     env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "MODEL_NAME": MODEL,
-        "GRPC_PORT": str(grpc_port),
-        "PORT": str(http_port),
         "KV_CACHE_BLOCKS": "64",
         "MAX_SEQUENCE_LENGTH": str(MAX_SEQ),
         "MAX_NEW_TOKENS": str(MAX_NEW),
@@ -83,37 +59,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "OMP_NUM_THREADS": "1",
     }
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server.main"],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    http = f"http://127.0.0.1:{http_port}"
-    deadline = time.monotonic() + 90
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if urllib.request.urlopen(f"{http}/health", timeout=2).status == 200:
-                break
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server not healthy in time:\n{log.read_text()}")
-        time.sleep(0.3)
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    process = ServerProcess(MODEL, env, log)
     try:
-        yield Server(proc, generation_pb2_grpc.GenerationServiceStub(channel), http, log)
+        process.start()
+    except ServerStartError as e:
+        pytest.fail(str(e))
+    channel = grpc.insecure_channel(process.grpc_target)
+    try:
+        yield Server(process, generation_pb2_grpc.GenerationServiceStub(channel))
     finally:
         channel.close()
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=20)
+        process.stop(stop_timeout_s=20)
 
 
 @pytest.fixture(scope="module")
@@ -421,12 +377,12 @@ def test_tokenize_and_model_info(server: Server, tokenizer: Any) -> None:
 
 
 def test_health_metrics_and_log_lines(server: Server) -> None:
-    assert urllib.request.urlopen(f"{server.http}/health").read() == b""
+    assert urllib.request.urlopen(f"{server.process.http_url}/health").read() == b""
     assert server.metric("tgi_request_input_count_total") == server.metric(
         "tgi_request_input_count"
     )
     assert server.metric('tgi_request_failure_total{err="validation"}') >= 6
-    log = server.log.read_text()
+    log = server.process.log_text()
     assert re.search(r"gRPC server started on port \d+", log)
     assert re.search(r"HTTP server started on port \d+", log)
 
@@ -438,44 +394,7 @@ def test_sigterm_finishes_in_flight_and_exits_zero(server: Server) -> None:
     )
     call = server.stub.GenerateStream(request, timeout=60)
     next(call)
-    server.proc.send_signal(signal.SIGTERM)
+    server.process.send_signal(signal.SIGTERM)
     messages = [json_format.MessageToDict(m) for m in call]
     assert messages[-1]["generatedTokenCount"] == 60
-    assert server.proc.wait(timeout=20) == 0
-
-
-def test_incremental_detokenizer_is_utf8_safe(tokenizer: Any) -> None:
-    text = " naïve café 😀🎉 日本語 done"
-    ids = tokenizer(text)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, tokenizer("Say:")["input_ids"], True)
-    deltas = [detok.add(t) for t in ids] + [detok.flush()]
-    assert all("\ufffd" not in d for d in deltas)
-    assert "".join(deltas) == tokenizer.decode(ids)
-
-
-def test_server_config_env_and_flags() -> None:
-    env = {"MAX_BATCH_SIZE": "4", "DTYPE_STR": "float32", "OUTPUT_SPECIAL_TOKENS": "off"}
-    config = ServerConfig.from_env_and_args(["--max-batch-size", "6", "--grpc-port", "9"], env)
-    assert (config.max_batch_size, config.grpc_port, config.port) == (6, 9, 3000)
-    assert config.dtype == "float32" and config.output_special_tokens is False
-    assert ServerConfig.from_env_and_args([], {"OUTPUT_SPECIAL_TOKENS": "1"}).output_special_tokens
-    launcher = [
-        "--num-shard",
-        "1",
-        "--dtype-str",
-        "float16",
-        "-p",
-        "1",
-        "--max-waiting-tokens",
-        "9",
-    ]
-    config = ServerConfig.from_env_and_args(launcher, {})
-    assert (config.dtype, config.port) == ("float16", 1)
-    with pytest.raises(ValueError, match="max_batch_size"):
-        ServerConfig.from_env_and_args([], {"MAX_BATCH_SIZE": "0"})
-    with pytest.raises(ValueError, match="speculator_candidate_selection"):
-        ServerConfig.from_env_and_args([], {"SPECULATOR_CANDIDATE_SELECTION": "best"})
-    selection = ServerConfig.from_env_and_args([], {"SPECULATOR_CANDIDATE_SELECTION": "joint"})
-    assert selection.speculator_candidate_selection == "joint"
-    with pytest.raises(ValueError, match="dtype"):
-        ServerConfig.from_env_and_args([], {"DTYPE": "float16", "DTYPE_STR": "float32"})
+    assert server.process.wait(timeout_s=20) == 0

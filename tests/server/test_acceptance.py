@@ -22,8 +22,8 @@ from google.protobuf import json_format
 from engine.paths import model_path
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
-from tests.reference import CHAT_PROMPTS
 from tools.server_process import ServerProcess
+from training.prompts import CHAT_PROMPTS
 
 MODEL = "tiny-llama-gqa-tied"
 TIMEOUT_S = 120.0

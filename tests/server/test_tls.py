@@ -8,15 +8,9 @@ start-up errors are checked on processes that exit before loading a model.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,18 +29,12 @@ from server.config import ServerConfig
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from server.tls import TLSConfigError, server_credentials
+from tools.server_process import ServerProcess, ServerStartError
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama-gqa-tied"
 GENERATION_SERVICE = "fmaas.GenerationService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
 STARTUP_TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- certificates
@@ -127,66 +115,35 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 # --------------------------------------------------------------------------- servers
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen[str]
-    target: str
-    log: Path
+SERVER_ENV = {
+    "KV_CACHE_BLOCKS": "16",
+    "MAX_SEQUENCE_LENGTH": "128",
+    "MAX_NEW_TOKENS": "16",
+    "SHUTDOWN_GRACE_SECONDS": "5",
+    "OMP_NUM_THREADS": "1",
+}
 
 
-def _server_env(grpc_port: int, http_port: int, **extra: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "MODEL_NAME": MODEL,
-        "GRPC_PORT": str(grpc_port),
-        "PORT": str(http_port),
-        "KV_CACHE_BLOCKS": "16",
-        "MAX_SEQUENCE_LENGTH": "128",
-        "MAX_NEW_TOKENS": "16",
-        "SHUTDOWN_GRACE_SECONDS": "5",
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
+def _server(log: Path, **extra: str) -> ServerProcess:
+    return ServerProcess(MODEL, {**SERVER_ENV, **extra}, log, start_timeout_s=STARTUP_TIMEOUT_S)
 
 
-def _start(log: Path, **extra: str) -> Iterator[Server]:
+def _start(log: Path, **extra: str) -> Iterator[ServerProcess]:
     if not (model_path(MODEL) / "config.json").is_file():
         pytest.fail(f"{model_path(MODEL)} is missing: run `make models` first")
-    grpc_port, http_port = _free_port(), _free_port()
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server.main"],
-            cwd=REPO,
-            env=_server_env(grpc_port, http_port, **extra),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    health = f"http://127.0.0.1:{http_port}/health"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if urllib.request.urlopen(health, timeout=2).status == 200:
-                break
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server not healthy in time:\n{log.read_text()}")
-        time.sleep(0.3)
+    server = _server(log, **extra)
     try:
-        yield Server(proc, f"127.0.0.1:{grpc_port}", log)
+        server.start()
+    except ServerStartError as e:
+        pytest.fail(str(e))
+    try:
+        yield server
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
+        server.stop()
 
 
 @pytest.fixture(scope="module")
-def tls_server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def tls_server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     yield from _start(
         tmp_path_factory.mktemp("tls") / "server.log",
         TLS_CERT_PATH=str(pki.server_cert),
@@ -197,7 +154,7 @@ def tls_server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
 
 
 @pytest.fixture(scope="module")
-def mtls_server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def mtls_server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     yield from _start(
         tmp_path_factory.mktemp("mtls") / "server.log",
         TLS_CERT_PATH=str(pki.server_cert),
@@ -207,12 +164,15 @@ def mtls_server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def _channel(
-    server: Server, roots: bytes | None, key: bytes | None = None, cert: bytes | None = None
+    server: ServerProcess,
+    roots: bytes | None,
+    key: bytes | None = None,
+    cert: bytes | None = None,
 ) -> grpc.Channel:
     if roots is None:
-        return grpc.insecure_channel(server.target)
+        return grpc.insecure_channel(server.grpc_target)
     credentials = grpc.ssl_channel_credentials(roots, key, cert)
-    return grpc.secure_channel(server.target, credentials)
+    return grpc.secure_channel(server.grpc_target, credentials)
 
 
 def _generate(channel: grpc.Channel) -> pb.GenerationResponse:
@@ -235,26 +195,26 @@ def _assert_refused(channel: grpc.Channel) -> None:
 # --------------------------------------------------------------------------- TLS
 
 
-def test_tls_client_that_trusts_the_ca_gets_in(tls_server: Server, pki: Pki) -> None:
+def test_tls_client_that_trusts_the_ca_gets_in(tls_server: ServerProcess, pki: Pki) -> None:
     with _channel(tls_server, pki.read("ca")) as channel:
         assert _generate(channel).generated_token_count == 3
-    assert "gRPC TLS enabled" in tls_server.log.read_text()
+    assert "gRPC TLS enabled" in tls_server.log_text()
 
 
-def test_tls_refuses_plaintext_and_untrusting_clients(tls_server: Server, pki: Pki) -> None:
+def test_tls_refuses_plaintext_and_untrusting_clients(tls_server: ServerProcess, pki: Pki) -> None:
     with _channel(tls_server, None) as channel:
         _assert_refused(channel)
     with _channel(tls_server, pki.read("foreign_ca")) as channel:
         _assert_refused(channel)
 
 
-def test_flash_and_paged_attention_switches_are_logged(tls_server: Server) -> None:
-    log = tls_server.log.read_text()
+def test_flash_and_paged_attention_switches_are_logged(tls_server: ServerProcess) -> None:
+    log = tls_server.log_text()
     assert "always paged; FLASH_ATTENTION=true, PAGED_ATTENTION=true" in log
     assert "FLASH_ATTENTION=true but flash-attn is not usable on device cpu" in log
 
 
-def test_health_service_answers_serving(tls_server: Server, pki: Pki) -> None:
+def test_health_service_answers_serving(tls_server: ServerProcess, pki: Pki) -> None:
     with _channel(tls_server, pki.read("ca")) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", GENERATION_SERVICE):
@@ -265,7 +225,7 @@ def test_health_service_answers_serving(tls_server: Server, pki: Pki) -> None:
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_reflection_lists_and_describes_the_services(tls_server: Server, pki: Pki) -> None:
+def test_reflection_lists_and_describes_the_services(tls_server: ServerProcess, pki: Pki) -> None:
     with _channel(tls_server, pki.read("ca")) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
@@ -282,19 +242,19 @@ def test_reflection_lists_and_describes_the_services(tls_server: Server, pki: Pk
 # --------------------------------------------------------------------------- mTLS
 
 
-def test_mtls_refuses_a_client_without_a_certificate(mtls_server: Server, pki: Pki) -> None:
+def test_mtls_refuses_a_client_without_a_certificate(mtls_server: ServerProcess, pki: Pki) -> None:
     with _channel(mtls_server, pki.read("ca")) as channel:
         _assert_refused(channel)
-    assert "client certificates required (mTLS)" in mtls_server.log.read_text()
+    assert "client certificates required (mTLS)" in mtls_server.log_text()
 
 
-def test_mtls_refuses_a_certificate_from_another_ca(mtls_server: Server, pki: Pki) -> None:
+def test_mtls_refuses_a_certificate_from_another_ca(mtls_server: ServerProcess, pki: Pki) -> None:
     key, cert = pki.read("foreign_client_key"), pki.read("foreign_client_cert")
     with _channel(mtls_server, pki.read("ca"), key, cert) as channel:
         _assert_refused(channel)
 
 
-def test_mtls_lets_in_a_ca_signed_client(mtls_server: Server, pki: Pki) -> None:
+def test_mtls_lets_in_a_ca_signed_client(mtls_server: ServerProcess, pki: Pki) -> None:
     key, cert = pki.read("client_key"), pki.read("client_cert")
     with _channel(mtls_server, pki.read("ca"), key, cert) as channel:
         assert _generate(channel).generated_token_count == 3
@@ -303,38 +263,32 @@ def test_mtls_lets_in_a_ca_signed_client(mtls_server: Server, pki: Pki) -> None:
 # --------------------------------------------------------------------------- start-up errors
 
 
-def _run_main(**extra: str) -> subprocess.CompletedProcess[str]:
-    env = _server_env(_free_port(), _free_port(), **extra)
-    return subprocess.run(
-        [sys.executable, "-m", "server.main"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=STARTUP_TIMEOUT_S,
-        check=False,
-    )
+def _run_main(tmp_path: Path, **extra: str) -> tuple[int, str]:
+    """Exit code and output of a server that must stop before loading a model."""
+    server = _server(tmp_path / "refused.log", **extra)
+    return server.run_to_exit(), server.log_text()
 
 
-def test_certificate_without_key_stops_startup(pki: Pki) -> None:
-    proc = _run_main(TLS_CERT_PATH=str(pki.server_cert))
-    assert proc.returncode != 0
-    assert "tls: must provide both cert and key" in proc.stdout + proc.stderr
+def test_certificate_without_key_stops_startup(tmp_path: Path, pki: Pki) -> None:
+    returncode, output = _run_main(tmp_path, TLS_CERT_PATH=str(pki.server_cert))
+    assert returncode != 0
+    assert "tls: must provide both cert and key" in output
 
 
 def test_missing_tls_file_stops_startup_naming_it(tmp_path: Path, pki: Pki) -> None:
     missing = tmp_path / "no-such-key.pem"
-    proc = _run_main(TLS_CERT_PATH=str(pki.server_cert), TLS_KEY_PATH=str(missing))
-    assert proc.returncode != 0
-    output = proc.stdout + proc.stderr
+    returncode, output = _run_main(
+        tmp_path, TLS_CERT_PATH=str(pki.server_cert), TLS_KEY_PATH=str(missing)
+    )
+    assert returncode != 0
     assert str(missing) in output and "does not exist" in output
     assert "gRPC server started" not in output
 
 
-def test_invalid_attention_switch_stops_startup_naming_it() -> None:
-    proc = _run_main(PAGED_ATTENTION="sometimes")
-    assert proc.returncode != 0
-    assert "from PAGED_ATTENTION" in proc.stdout + proc.stderr
+def test_invalid_attention_switch_stops_startup_naming_it(tmp_path: Path) -> None:
+    returncode, output = _run_main(tmp_path, PAGED_ATTENTION="sometimes")
+    assert returncode != 0
+    assert "from PAGED_ATTENTION" in output
 
 
 def test_tls_config_rules(pki: Pki, tmp_path: Path) -> None:
@@ -362,28 +316,16 @@ def test_tls_config_rules(pki: Pki, tmp_path: Path) -> None:
         )
 
 
-@pytest.mark.parametrize(
-    ("value", "expected"), [("true", True), ("1", True), ("off", False), ("False", False)]
-)
-def test_attention_switches_parse_booleans(value: str, expected: bool) -> None:
-    config = ServerConfig.from_env_and_args([], {"FLASH_ATTENTION": value})
-    assert config.flash_attention is expected
-    config = ServerConfig.from_env_and_args(["--paged-attention", value], {})
-    assert config.paged_attention is expected
-    with pytest.raises(ValueError, match="flash_attention: invalid value 'yes please'"):
-        ServerConfig.from_env_and_args([], {"FLASH_ATTENTION": "yes please"})
-
-
 # --------------------------------------------------------------------------- shutdown (last)
 
 
-def test_health_turns_not_serving_while_draining(tls_server: Server, pki: Pki) -> None:
+def test_health_turns_not_serving_while_draining(tls_server: ServerProcess, pki: Pki) -> None:
     """Stops `tls_server`: keep this test last in the module."""
     with _channel(tls_server, pki.read("ca")) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         watch = stub.Watch(health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=30)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-        tls_server.proc.send_signal(signal.SIGTERM)
+        tls_server.send_signal(signal.SIGTERM)
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
         watch.cancel()
-    assert tls_server.proc.wait(timeout=30) == 0
+    assert tls_server.wait(timeout_s=30) == 0

@@ -12,7 +12,7 @@ import yaml
 
 from server.config import ServerConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _env_names() -> list[str]:

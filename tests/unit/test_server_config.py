@@ -1,0 +1,47 @@
+"""ServerConfig from environment variables and launcher flags (no server process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.config import ServerConfig
+
+
+def test_server_config_env_and_flags() -> None:
+    env = {"MAX_BATCH_SIZE": "4", "DTYPE_STR": "float32", "OUTPUT_SPECIAL_TOKENS": "off"}
+    config = ServerConfig.from_env_and_args(["--max-batch-size", "6", "--grpc-port", "9"], env)
+    assert (config.max_batch_size, config.grpc_port, config.port) == (6, 9, 3000)
+    assert config.dtype == "float32" and config.output_special_tokens is False
+    assert ServerConfig.from_env_and_args([], {"OUTPUT_SPECIAL_TOKENS": "1"}).output_special_tokens
+    launcher = [
+        "--num-shard",
+        "1",
+        "--dtype-str",
+        "float16",
+        "-p",
+        "1",
+        "--max-waiting-tokens",
+        "9",
+    ]
+    config = ServerConfig.from_env_and_args(launcher, {})
+    assert (config.dtype, config.port) == ("float16", 1)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        ServerConfig.from_env_and_args([], {"MAX_BATCH_SIZE": "0"})
+    with pytest.raises(ValueError, match="speculator_candidate_selection"):
+        ServerConfig.from_env_and_args([], {"SPECULATOR_CANDIDATE_SELECTION": "best"})
+    selection = ServerConfig.from_env_and_args([], {"SPECULATOR_CANDIDATE_SELECTION": "joint"})
+    assert selection.speculator_candidate_selection == "joint"
+    with pytest.raises(ValueError, match="dtype"):
+        ServerConfig.from_env_and_args([], {"DTYPE": "float16", "DTYPE_STR": "float32"})
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("true", True), ("1", True), ("off", False), ("False", False)]
+)
+def test_attention_switches_parse_booleans(value: str, expected: bool) -> None:
+    config = ServerConfig.from_env_and_args([], {"FLASH_ATTENTION": value})
+    assert config.flash_attention is expected
+    config = ServerConfig.from_env_and_args(["--paged-attention", value], {})
+    assert config.paged_attention is expected
+    with pytest.raises(ValueError, match="flash_attention: invalid value 'yes please'"):
+        ServerConfig.from_env_and_args([], {"FLASH_ATTENTION": "yes please"})
