@@ -30,6 +30,7 @@ from engine.core import LLMEngine
 from engine.paths import default_model_path
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.proposer import Proposer
+from training.prompts import chat_prompt_ids
 
 RESULTS = Path(__file__).parent / "results" / "spec_onoff.json"
 
@@ -93,14 +94,7 @@ def main() -> None:
     llm = LLM(args.model, dtype="float32", speculator=args.speculator)
     engine = llm.engine
     proposer = engine.proposer
-    prompts = [
-        list(
-            llm.tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False
-            )
-        )
-        for p in SERVING_PROMPTS
-    ]
+    prompts = chat_prompt_ids(llm.tokenizer, SERVING_PROMPTS)
     params = SamplingParams(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
     rows = []
     header = f"{'clients':>7} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} {'pair IQR':>13}"

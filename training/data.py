@@ -30,16 +30,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import PreTrainedTokenizerBase
 
 from engine.core import StepStates
 from engine.llm import LLM
 from engine.model_runner import SequenceInput
 from engine.sampling.params import SamplingParams
+from training.prompts import chat_prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -182,23 +181,6 @@ class Answer:
             teacher_valid=torch.ones(n, dtype=torch.bool),
             sequence=torch.full((n,), sequence, dtype=torch.int64),
         )
-
-
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each prompt as a user turn under the tokenizer's chat template (the plain
-    encoding when it has none), ready for generation."""
-    out = []
-    for prompt in prompts:
-        if tokenizer.chat_template:
-            ids: Any = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True
-            )
-            if not isinstance(ids, list):  # transformers >= 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            out.append([int(t) for t in ids])
-        else:
-            out.append([int(t) for t in tokenizer(prompt)["input_ids"]])
-    return out
 
 
 class DataBuilder:
