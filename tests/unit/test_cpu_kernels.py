@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels
-from engine.models.llama import LlamaConfig, RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.llama import LlamaConfig
 
 
 @pytest.fixture(scope="module")
