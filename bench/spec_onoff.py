@@ -29,7 +29,7 @@ from engine import LLM
 from engine.core import LLMEngine
 from engine.paths import default_model_path
 from engine.sampling.params import SamplingParams
-from engine.spec_decode.proposer import Proposer
+from engine.spec_decode.drafter import Drafter
 from training.prompts import chat_prompt_ids
 
 RESULTS = Path(__file__).parent / "results" / "spec_onoff.json"
@@ -37,7 +37,7 @@ RESULTS = Path(__file__).parent / "results" / "spec_onoff.json"
 
 def run_level(
     engine: LLMEngine,
-    proposer: Proposer | None,
+    drafter: Drafter | None,
     prompts: list[list[int]],
     concurrency: int,
     params: SamplingParams,
@@ -61,7 +61,7 @@ def run_level(
         send()
     counts = []
     for name in windows:
-        engine.proposer = proposer if name == "on" else None
+        engine.drafter = drafter if name == "on" else None
         start = time.perf_counter()
         num_tokens = num_spec_steps = 0
         while time.perf_counter() < start + seconds:
@@ -77,7 +77,7 @@ def run_level(
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.proposer = proposer
+    engine.drafter = drafter
     return counts
 
 
@@ -93,7 +93,7 @@ def main() -> None:
 
     llm = LLM(args.model, dtype="float32", speculator=args.speculator)
     engine = llm.engine
-    proposer = engine.proposer
+    drafter = engine.drafter
     prompts = chat_prompt_ids(llm.tokenizer, SERVING_PROMPTS)
     params = SamplingParams(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
     rows = []
@@ -103,7 +103,7 @@ def main() -> None:
         windows = ["off", "on"]  # uncounted: the clients' first requests, a first try of each
         for r in range(args.rounds):
             windows += ["on", "off"] if r % 2 else ["off", "on"]
-        counts = run_level(engine, proposer, prompts, concurrency, params, windows, args.window)
+        counts = run_level(engine, drafter, prompts, concurrency, params, windows, args.window)
         tokens = {"on": 0, "off": 0}
         seconds = {"on": 0.0, "off": 0.0}
         ratios, num_spec_steps = [], 0

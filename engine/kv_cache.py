@@ -3,19 +3,10 @@
 Pure Python; the K/V tensors live with the model runner, which maps token position `p` of a
 sequence to the physical slot `block_table[p // block_size] * block_size + p % block_size`.
 
-Copy-on-write invariant: a block held by more than one block table is always *full* for every
+Sharing invariant: a block held by more than one block table is always *full* for every
 holder, so a write (which only ever goes to positions >= the writer's `num_tokens`) can never land
-in a shared block. `fork` keeps it by copying a partial tail instead of sharing it:
-
-    parent: num_tokens=37, block_size=16          child = fork(parent, child, 37)
-    +--------+--------+--------+                  +--------+--------+--------+
-    | b7  16 | b3  16 | b9  5  |                  | b7  16 | b3  16 | b12 5  |
-    +--------+--------+--------+                  +--------+--------+--------+
-       ^ shared  ^ shared   owned                    ^ ref 2  ^ ref 2   owned (fresh)
-    returns [(9, 12)]: the caller copies K/V block 9 into block 12 before either writes.
-    Next write of the parent goes to b9 offset 5, of the child to b12 offset 5: no aliasing.
-
-`truncate` refuses to cut into a shared block (it would make it partial), see its docstring.
+in a shared block. Only prefix caching shares blocks, and it shares full blocks only; `truncate`
+refuses to cut into a shared block (it would make it partial), see its docstring.
 
 Prefix caching (optional): a full block of prompt tokens, once computed, is registered under a
 SHA-256 digest chained over every token before it (so equal digests mean equal prefixes, and a
@@ -37,7 +28,7 @@ SeqId = Hashable
 
 
 class KVCacheError(Exception):
-    """Misuse of the cache (unknown/duplicate sequence, bad length, no block for a fork) or a
+    """Misuse of the cache (unknown or duplicate sequence, bad length) or a
     failed integrity check."""
 
 
@@ -112,7 +103,7 @@ class KVCacheManager:
     have slots) and a block table of exactly `ceil(num_tokens / block_size)` blocks: never an
     empty tail block. Growing (`allocate_slots`) and shrinking (`truncate`) cost O(blocks
     changed), so speculative decoding can allocate draft slots and truncate back every step.
-    Sharing happens only through `fork`; see the module docstring for the copy-on-write rule.
+    Blocks are shared only through prefix caching; see the module docstring for the rule.
     """
 
     def __init__(
@@ -207,43 +198,13 @@ class KVCacheManager:
             p = stop
         return slots
 
-    def fork(self, parent_id: SeqId, child_id: SeqId, num_tokens: int) -> list[tuple[int, int]]:
-        """Register `child_id` sharing the first `num_tokens` tokens of `parent_id`.
-
-        Full blocks are shared (ref_cnt + 1). A partly filled last block is not: the child gets a
-        fresh block and the result lists `(src_block, dst_block)` K/V copies the caller must do
-        before either sequence writes again (at most one pair). Needs one free block iff
-        `num_tokens % block_size != 0`; on shortage raises KVCacheError and changes nothing.
-        Requires `0 <= num_tokens <= num_tokens(parent_id)` and `child_id` new.
-        """
-        parent = self._table(parent_id)
-        if child_id in self._tables:
-            raise KVCacheError(f"sequence {child_id!r} already exists")
-        if not 0 <= num_tokens <= self._num_tokens[parent_id]:
-            raise KVCacheError(
-                f"cannot fork {num_tokens} tokens of {parent_id!r} "
-                f"({self._num_tokens[parent_id]} tokens)"
-            )
-        n_full, partial = divmod(num_tokens, self._block_size)
-        table = parent[:n_full]
-        copies: list[tuple[int, int]] = []
-        if partial:
-            (dst,) = self._allocate_blocks(1)  # raises before anything is changed
-            copies.append((parent[n_full], dst))
-        self.pool.incref(table)
-        if partial:
-            table.append(copies[0][1])
-        self._tables[child_id] = table
-        self._num_tokens[child_id] = num_tokens
-        return copies
-
     def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
         """Shrink `seq_id` to `num_tokens` tokens, releasing the tail blocks it no longer needs.
 
         Raises KVCacheError (changing nothing) if `num_tokens` exceeds the current length, or if
         the new last block would be partly filled while shared with another sequence: later
         writes there would corrupt the other holder. Truncate to a block boundary, or free and
-        re-fork, instead. The sequence stays registered even at 0 tokens.
+        reallocate, instead. The sequence stays registered even at 0 tokens.
         """
         table = self._table(seq_id)
         if not 0 <= num_tokens <= self._num_tokens[seq_id]:

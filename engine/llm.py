@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from engine.core import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.builder import build_engine, load_tokenizer
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.hooks import LogitsRecorder
 from engine.paths import default_model_path
 from engine.sampling.params import SamplingParams
-from engine.scheduler import SchedulerConfig
-from engine.spec_decode.loader import load_speculator
-from engine.spec_decode.policy import SpeculationPolicy
-from engine.spec_decode.proposer import MLPProposer, Proposer
+from engine.spec_decode.proposer import Proposer
 
 
 @dataclass
@@ -62,50 +59,34 @@ class LLM:
         `cpu_kernels=False` runs the CPU float32 glue and attention as ATen ops instead of the
         fused C kernels."""
         path = Path(model_path) if model_path is not None else default_model_path()
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
-        probe_block = block_size or (256 if device.startswith("cuda") else 16)
-        self.runner = ModelRunner(
-            path,
-            num_blocks=math.ceil(max_num_tokens / probe_block) + 1,
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(path)
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        speculative = SpeculativeConfig(
+            path=Path(speculator) if isinstance(speculator, str | Path) else None,
+            top_k_tokens_per_head=tuple(top_k_tokens_per_head) if top_k_tokens_per_head else None,
+            n_candidates=n_candidates,
+            candidate_selection=candidate_selection,
+            max_batch_size=spec_max_batch_size,
+            adaptive=adaptive_speculation,
+        )
+        config = EngineConfig(
+            model_path=path,
             dtype=dtype,
             device=device,
             block_size=block_size,
-            cpu_kernels=cpu_kernels,
-        )
-        eos_token_ids = set(self.runner.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos_token_ids.add(self.tokenizer.eos_token_id)
-        config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(max_num_tokens, max_num_seqs),
-            max_model_len=self.runner.config.max_position_embeddings,
+            kv_cache_tokens=max_num_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            cpu_kernels=cpu_kernels,
+            speculative=speculative,
         )
-        proposer: Proposer | None = None
-        if isinstance(speculator, str | Path):
-            model = load_speculator(
-                speculator,
-                hidden_size=self.runner.config.hidden_size,
-                vocab_size=self.runner.config.vocab_size,
-                dtype=self.runner.dtype,
-                device=self.runner.device,
-            )
-            proposer = MLPProposer(model, top_k_tokens_per_head, n_candidates, candidate_selection)
-        else:
-            proposer = speculator
-        policy = None
-        if proposer is not None and adaptive_speculation:
-            policy = SpeculationPolicy(proposer.num_candidates)
-        self.engine = LLMEngine(
-            self.runner,
-            config,
-            frozenset(eos_token_ids),
-            proposer,
-            spec_max_batch_size,
-            policy,
-            enable_prefix_caching,
-        )
-        self._counter = itertools.count()
+        proposer = None if isinstance(speculator, str | Path) else speculator
+        self.engine = build_engine(config, self.tokenizer, proposer)
+        self.runner = self.engine.runner
         self.kv = self.engine.kv
+        self._counter = itertools.count()
 
     def generate(
         self,
@@ -135,7 +116,9 @@ class LLM:
         ids = [f"llm-{next(self._counter)}" for _ in encoded]
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         reasons: dict[str, str] = {}
-        self.engine.record_logits(return_logits)
+        recorder = LogitsRecorder()
+        if return_logits:
+            self.engine.observers.append(recorder)
         try:
             for request_id, prompt in zip(ids, encoded, strict=True):
                 self.engine.add_request(request_id, prompt, params)
@@ -150,13 +133,15 @@ class LLM:
                     self.engine.abort_request(request_id)
             while self.engine.has_unfinished_requests():
                 self.engine.step()
+            if return_logits:
+                self.engine.observers.remove(recorder)
         return [
             GenerationOutput(
                 prompt_token_ids=prompt,
                 token_ids=tokens[i],
                 text=str(self.tokenizer.decode(tokens[i], skip_special_tokens=True)),
                 finish_reason=reasons[i],
-                logits=self.engine.pop_logits(i)[: len(tokens[i])],
+                logits=recorder.pop(i)[: len(tokens[i])],
             )
             for i, prompt in zip(ids, encoded, strict=True)
         ]

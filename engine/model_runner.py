@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache, select_backend
+from engine.config import DTYPES, EngineConfig
 from engine.kernels.autotune import select_kernels
 from engine.kernels.cpu import load_cpu_kernels
 from engine.models.llama import LlamaConfig, LlamaModel
@@ -16,24 +18,14 @@ from engine.models.loader import load_weights
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
-
-def resolve_dtype(
-    dtype: str | torch.dtype | None, config_dtype: str | None, device: str
-) -> torch.dtype:
-    """An explicit dtype wins; else float32 on CPU, and on CUDA the config's half type or
-    float16."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
+def resolve_dtype(dtype: str | None, config_dtype: str | None, device: str) -> torch.dtype:
+    """An explicit dtype (one of `DTYPES`) wins; else float32 on CPU, and on CUDA the
+    checkpoint's half type or float16."""
     if dtype is not None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-        return _DTYPES[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        return getattr(torch, dtype)
     if device.startswith("cuda"):
         return torch.bfloat16 if config_dtype == "bfloat16" else torch.float16
     return torch.float32
@@ -65,31 +57,22 @@ class ModelOutput:
 
 
 class ModelRunner:
-    """Loads a Llama folder, allocates `num_blocks` KV blocks per layer, executes steps.
+    """Loads a Llama folder, allocates the KV pool, executes steps.
 
     On CPU in float32 the model's glue and attention run as fused C kernels unless
-    `cpu_kernels=False` (or no C compiler is found); the results are the same within float32
-    rounding.
+    `config.cpu_kernels` is false (or no C compiler is found); the results are the same within
+    float32 rounding. The pool holds `config.num_kv_blocks` blocks, else enough for
+    `config.kv_cache_tokens` tokens, else as many as `config.kv_cache_memory_mb` holds.
     """
 
-    def __init__(
-        self,
-        model_path: str | Path,
-        *,
-        num_blocks: int,
-        dtype: str | torch.dtype | None = None,
-        device: str = "cpu",
-        block_size: int | None = None,
-        backend: AttentionBackend | None = None,
-        cpu_kernels: bool = True,
-    ) -> None:
-        self.model_path = Path(model_path)
+    def __init__(self, config: EngineConfig) -> None:
+        self.model_path = Path(config.model_path)
         self.config = LlamaConfig.from_folder(self.model_path)
-        self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.config.torch_dtype, device)
-        fused = cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.config.torch_dtype, config.device)
+        fused = config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32
         kernels = load_cpu_kernels() if fused else None
-        self.backend = backend or select_backend(device, block_size, kernels)
+        self.backend: AttentionBackend = select_backend(config.device, config.block_size, kernels)
         self.block_size = self.backend.block_size
         self.model = LlamaModel(self.config, self.backend, self.dtype, self.device, kernels)
         load_weights(self.model, self.model_path)
@@ -104,6 +87,7 @@ class ModelRunner:
                 ),
             )
         cfg = self.config
+        num_blocks = self._num_kv_blocks(config)
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.num_blocks = num_blocks
         self.kv_caches: list[KVCache] = [
@@ -123,19 +107,19 @@ class ModelRunner:
             self.block_size,
         )
 
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_tokens is not None:
+            return math.ceil(config.kv_cache_tokens / self.block_size) + 1
+        cfg = self.config
+        block_bytes = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim
+        block_bytes *= self.dtype.itemsize
+        return max(2, config.kv_cache_memory_mb * 2**20 // block_bytes)
+
     def slot_mapping(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer (copy-on-write of a forked tail)."""
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for key_cache, value_cache in self.kv_caches:
-            key_cache[dst] = key_cache[src]
-            value_cache[dst] = value_cache[src]
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of cache slots `src[i]` to `dst[i]` in every layer (accepted draft

@@ -70,10 +70,9 @@ class RequestStatus(IntEnum):
     PREEMPTED = 2  # blocks freed; waits at the front of the queue to recompute prompt + output
     FINISHED_STOPPED = 3  # an EOS token (unless ignore_eos) or a stop token id
     FINISHED_LENGTH = 4  # max_new_tokens, or the scheduler's max model length
-    FINISHED_STOP_SEQUENCE = 5  # set by the engine (detokenized text), never by the scheduler
-    FINISHED_TIME_LIMIT = 6  # the deadline passed, in the queue or in flight
-    FINISHED_ABORTED = 7  # cancelled by the client
-    FINISHED_IGNORED = 8  # never run: the prompt leaves no room for a token in max_model_len
+    FINISHED_TIME_LIMIT = 5  # the deadline passed, in the queue or in flight
+    FINISHED_ABORTED = 6  # cancelled by the client
+    FINISHED_IGNORED = 7  # never run: the prompt leaves no room for a token in max_model_len
 
     @property
     def is_finished(self) -> bool:
@@ -88,7 +87,6 @@ class RequestStatus(IntEnum):
 _FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: FinishReason.EOS_TOKEN,
     RequestStatus.FINISHED_LENGTH: FinishReason.MAX_TOKENS,
-    RequestStatus.FINISHED_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
     RequestStatus.FINISHED_TIME_LIMIT: FinishReason.TIME_LIMIT,
     RequestStatus.FINISHED_ABORTED: FinishReason.CANCELLED,
     RequestStatus.FINISHED_IGNORED: FinishReason.ERROR,

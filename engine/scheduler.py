@@ -20,32 +20,13 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from engine.config import SchedulerConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
 
 
 class SchedulerError(Exception):
     """A failed `Scheduler.check_integrity`, or model output that breaks the step contract."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    """Most requests in the running batch (TGIS MAX_BATCH_SIZE)."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step over all requests; longer prompts are prefilled in chunks."""
-    max_model_len: int = 4096
-    """Most tokens (prompt + output) one request may hold; a prompt must be shorter."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) so that every running request gets a token each step"
-            )
 
 
 @dataclass
@@ -136,18 +117,6 @@ class Scheduler:
         discarded. Unknown or finished ids are ignored (cancellation races completion)."""
         if request_id in self.requests:
             self._abort_ids[request_id] = None
-
-    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
-        """Finish a live request now with a finished `status` (the engine: a stop sequence) and
-        free its blocks. Call it between `update_from_output` and the next `schedule()`. Returns
-        False (changing nothing) if the request is unknown or already finished."""
-        if not status.is_finished:
-            raise ValueError(f"{status!r} is not a finished status")
-        request = self.requests.get(request_id)
-        if request is None:
-            return False
-        self._finish(request, status)
-        return True
 
     def update_draft_token_ids(self, draft_token_ids: Mapping[str, Sequence[int]]) -> None:
         """Set the drafts each request proposes for the next step. Ignored for requests that are

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine.config import CANDIDATE_SELECTIONS, DTYPES
 from engine.paths import default_model_path, model_path
 
 _FALSE_WORDS = frozenset({"", "n", "no", "f", "false", "off", "0"})
-_DTYPES = ("float32", "float16", "bfloat16")
 _MODEL_LENGTH_KEYS = (
     "max_position_embeddings",
     "n_positions",
@@ -224,8 +224,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("model_name must not be empty")
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:
             raise ValueError(f"max_sequence_length must be >= 2, got {self.max_sequence_length}")
         for name in ("max_new_tokens", "max_batch_size", "max_batched_tokens"):
@@ -257,7 +257,7 @@ class ServerConfig:
                 f"speculator_max_batch_size must be >= 0, got {self.speculator_max_batch_size}"
             )
         self.speculator_top_k()
-        if self.speculator_candidate_selection not in ("coverage", "joint"):
+        if self.speculator_candidate_selection not in CANDIDATE_SELECTIONS:
             raise ValueError(
                 "speculator_candidate_selection must be coverage or joint, got "
                 f"{self.speculator_candidate_selection!r}"

@@ -20,6 +20,7 @@ from typing import Any
 from engine.core import EngineOutput, LLMEngine
 from engine.request import RequestStatus
 from engine.sampling.params import SamplingParams
+from server.errors import GenerationError
 from server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -28,10 +29,6 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 """The process's GIL switch interval once a worker starts (Python's default: 5 ms). Every torch
 op of an engine step releases the GIL and takes it back; when the event loop holds it meanwhile,
 the engine thread waits up to one interval, hundreds of times per step."""
-
-
-class GenerationError(Exception):
-    """The engine failed a request (UNKNOWN, ``Request failed during generation: ...``)."""
 
 
 Sink = Callable[[EngineOutput | BaseException], None]

@@ -32,9 +32,10 @@ from transformers import PreTrainedTokenizerBase
 from engine.core import EngineOutput
 from server import convert
 from server.convert import OutputChunk
-from server.detokenize import OutputTracker
-from server.engine_worker import EngineWorker, GenerationError, RequestTiming, Submission
+from server.engine_worker import EngineWorker, RequestTiming, Submission
+from server.errors import GenerationError
 from server.metrics import ServerMetrics
+from server.output_tracker import OutputTracker
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from server.validation import (

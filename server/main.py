@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 import prometheus_client
@@ -23,13 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from transformers import AutoTokenizer
 
-from engine.core import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.scheduler import SchedulerConfig
-from engine.spec_decode.policy import SpeculationPolicy
-from engine.spec_decode.proposer import MLPProposer
+from engine.builder import build_engine, load_tokenizer
+from engine.config import EngineConfig, SpeculativeConfig
 from server.config import ServerConfig
 from server.engine_worker import EngineWorker
 from server.grpc_server import GenerationServicer
@@ -41,62 +38,39 @@ from server.validation import Limits
 
 logger = logging.getLogger("specserve")
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _HEALTH_PROBE_TIMEOUT_S = 60.0
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
-def _num_kv_blocks(config: ServerConfig, block_size: int) -> int:
-    """`kv_cache_blocks`, else as many blocks as `kv_cache_memory_mb` holds."""
-    if config.kv_cache_blocks is not None:
-        return config.kv_cache_blocks
-    from engine.models.llama import LlamaConfig
-
-    cfg = LlamaConfig.from_folder(config.model_path)
-    dtype = config.dtype or "float32"
-    block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
-    return max(2, config.kv_cache_memory_mb * 2**20 // (block_bytes * _DTYPE_BYTES[dtype]))
-
-
-def _load_proposer(config: ServerConfig, runner: ModelRunner) -> MLPProposer | None:
-    """The speculator at SPECULATOR_PATH as a proposer with the configured tree, or None."""
-    if config.speculator_path is None:
-        return None
-    from engine.spec_decode.loader import load_speculator
-
-    speculator = load_speculator(
-        config.speculator_path,
-        hidden_size=runner.config.hidden_size,
-        vocab_size=runner.config.vocab_size,
-        dtype=runner.dtype,
-        device=runner.device,
-        n_predict=config.speculator_n_predict,
+def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfig:
+    """The engine's share of the server's configuration."""
+    speculative = None
+    if config.speculator_path is not None:
+        speculative = SpeculativeConfig(
+            path=Path(config.speculator_path),
+            n_predict=config.speculator_n_predict,
+            top_k_tokens_per_head=config.speculator_top_k(),
+            n_candidates=config.speculator_n_candidates,
+            candidate_selection=config.speculator_candidate_selection,
+            max_batch_size=config.speculator_max_batch_size,
+            adaptive=config.speculator_adaptive,
+        )
+    return EngineConfig(
+        model_path=config.model_path,
+        dtype=config.dtype,
+        device=config.device,
+        max_num_seqs=config.max_batch_size,
+        max_num_batched_tokens=config.max_batched_tokens,
+        max_model_len=max_sequence_length,
+        num_kv_blocks=config.kv_cache_blocks,
+        kv_cache_memory_mb=config.kv_cache_memory_mb,
+        enable_prefix_caching=config.prefix_caching,
+        speculative=speculative,
     )
-    proposer = MLPProposer(
-        speculator,
-        config.speculator_top_k(),
-        config.speculator_n_candidates,
-        config.speculator_candidate_selection,
-    )
-    logger.info(
-        "speculator %s: %d heads drafting from %d tokens, top-k per head %s, %d candidates by "
-        "%s, up to batch size %d",
-        config.speculator_path,
-        speculator.config.n_predict,
-        speculator.num_draft_tokens,
-        list(proposer.top_k_tokens_per_head),
-        proposer.n_candidates,
-        proposer.selection,
-        config.speculator_max_batch_size,
-    )
-    return proposer
 
 
 async def serve(config: ServerConfig) -> None:
     """Run the server until SIGTERM or SIGINT."""
-    from engine.attention import select_backend
-    from engine.kernels.cpu import load_cpu_kernels
-
     credentials = server_credentials(config)
     max_seq_len = config.resolved_max_sequence_length()
     max_new_tokens = config.effective_max_new_tokens(max_seq_len)
@@ -106,8 +80,9 @@ async def serve(config: ServerConfig) -> None:
             config.max_new_tokens,
             max_new_tokens,
         )
-    cpu_fp32 = config.device == "cpu" and (config.dtype or "float32") == "float32"
-    backend = select_backend(config.device, kernels=load_cpu_kernels() if cpu_fp32 else None)
+    tokenizer = load_tokenizer(config.model_path)
+    engine = build_engine(engine_config(config, max_seq_len), tokenizer)
+    backend = engine.runner.backend
     logger.info(
         "attention: %s on a paged KV cache of %d-token blocks (always paged; FLASH_ATTENTION=%s, "
         "PAGED_ATTENTION=%s)",
@@ -122,42 +97,7 @@ async def serve(config: ServerConfig) -> None:
             config.device,
             backend.name,
         )
-    num_blocks = _num_kv_blocks(config, backend.block_size)
-    if num_blocks * backend.block_size < max_seq_len:
-        raise ValueError(
-            f"the KV cache ({num_blocks} blocks of {backend.block_size} tokens) cannot hold one "
-            f"request of max_sequence_length {max_seq_len}: raise kv_cache_blocks or "
-            "kv_cache_memory_mb, or lower max_sequence_length"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
-    runner = ModelRunner(
-        config.model_path,
-        num_blocks=num_blocks,
-        dtype=config.dtype,
-        device=config.device,
-        backend=backend,
-    )
-    eos_ids = set(runner.config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos_ids.add(tokenizer.eos_token_id)
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=config.max_batch_size,
-        max_num_batched_tokens=config.max_batched_tokens,
-        max_model_len=max_seq_len,
-    )
-    proposer = _load_proposer(config, runner)
-    policy = None
-    if proposer is not None and config.speculator_adaptive:
-        policy = SpeculationPolicy(proposer.num_candidates)
-    engine = LLMEngine(
-        runner,
-        scheduler_config,
-        frozenset(eos_ids),
-        proposer,
-        config.speculator_max_batch_size,
-        policy,
-        config.prefix_caching,
-    )
+    num_blocks = engine.kv.num_blocks
     metrics = ServerMetrics(max_seq_len, max_new_tokens, config.max_batch_size)
     metrics.kv_cache_blocks_total.set(num_blocks)
     metrics.kv_cache_blocks_used.set(0)

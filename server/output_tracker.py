@@ -14,7 +14,7 @@ from engine.request import FinishReason
 from engine.sampling.sampler import TokenLogprobs
 from server import convert
 from server.convert import OutputChunk, TokenDetail
-from server.engine_worker import GenerationError
+from server.errors import GenerationError
 from server.validation import DecodingParams
 
 

@@ -12,9 +12,9 @@ text. Every trained position t of a sequence gives one row:
 so head i at position t is taught the base model's own prediction for x_{t+2+i}: on greedy
 answers that is the answer's next token, and on sampled answers and text it is the token greedy
 verification would accept after that prefix. Answers take states and teachers from the decode
-steps that generated them (`LLMEngine.record_states`), exactly the numbers the engine feeds the
-speculator when serving, at no extra cost; text takes them from prefill passes of the engine's
-ModelRunner.
+steps that generated them (a `StateRecorder` observing the engine), exactly the numbers the
+engine feeds the speculator when serving, at no extra cost; text takes them from prefill passes
+of the engine's ModelRunner.
 
 Each chunk of sequences is one safetensors shard in the cache folder, named by a hash of
 everything that determines it (base model, prompts or text, settings), so reruns load it and a
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.core import StepStates
+from engine.hooks import StateRecorder, StepStates
 from engine.llm import LLM
 from engine.model_runner import SequenceInput
 from engine.sampling.params import SamplingParams
@@ -351,7 +351,8 @@ class DataBuilder:
                 )
             tokens[request_id] = []
             engine.add_request(request_id, list(prompt), params)
-        engine.record_states(TEACHER_TOP_K)
+        recorder = StateRecorder(TEACHER_TOP_K)
+        engine.observers.append(recorder)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -360,11 +361,11 @@ class DataBuilder:
                         answer = Answer(
                             tokens.pop(out.request_id),
                             out.finish_reason.value,
-                            engine.pop_states(out.request_id),
+                            recorder.pop(out.request_id),
                         )
                         yield out.request_id, answer
         finally:
-            engine.record_states(0)
+            engine.observers.remove(recorder)
 
     @torch.inference_mode()
     def collect(

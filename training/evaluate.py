@@ -107,8 +107,8 @@ def evaluate_speculator(
         spec_max_batch_size=batch_size,
         adaptive_speculation=False,
     )
-    proposer = llm.engine.proposer
-    assert proposer is not None
+    assert llm.engine.drafter is not None
+    proposer = llm.engine.drafter.proposer
     stats = SpeculationStats(
         top_k_tokens_per_head=tuple(getattr(proposer, "top_k_tokens_per_head", ())),
         n_candidates=proposer.num_candidates,

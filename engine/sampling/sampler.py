@@ -1,10 +1,5 @@
-"""Token selection from logits, in TGIS's (HF's) processing order.
-
-Per row: repetition penalty over the request's prompt + output ids, then (sampling only)
-temperature, top-k, top-p and typical-p; then argmax (greedy) or a seeded draw. Token details
-(`TokenLogprobs`) are the log-softmax of these final processed scores. The caller applies the
-min-new-tokens EOS mask and the length penalty before.
-"""
+"""Token selection: argmax (greedy) or a seeded draw from the scores `logits_processor` makes,
+and the chosen tokens' details (`TokenLogprobs`: the log-softmax of those processed scores)."""
 
 from __future__ import annotations
 
@@ -13,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.request import Request
+from engine.sampling.logits_processor import process_eos, process_logits
 from engine.sampling.params import SamplingParams
 
 
@@ -65,47 +62,6 @@ def sample_with_details(
     return token_ids, details
 
 
-def process_logits(
-    logits: torch.Tensor,  # [vocab]
-    p: SamplingParams,
-    past_token_ids: Sequence[int],
-) -> torch.Tensor:  # [vocab] float32 on CPU, -inf where filtered out
-    scores = logits.float().cpu().clone()
-    if p.repetition_penalty != 1.0 and past_token_ids:
-        ids = torch.tensor(sorted(set(past_token_ids)), dtype=torch.int64)
-        seen = scores[ids]
-        rp = p.repetition_penalty
-        scores[ids] = torch.where(seen < 0, seen * rp, seen / rp)
-    if p.greedy:
-        return scores
-    scores = scores / p.temperature
-    if 0 < p.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, p.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_scores, order = scores.sort(descending=True)
-        probs = sorted_scores.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= p.top_p  # keep the token that crosses top_p
-        scores[order[drop]] = float("-inf")
-    if p.typical_p < 1.0:
-        scores = _typical_filter(scores, p.typical_p)
-    return scores
-
-
-def _typical_filter(scores: torch.Tensor, mass: float) -> torch.Tensor:
-    """HF's TypicalLogitsWarper: keep the tokens whose surprise is closest to the entropy, up to
-    `mass` probability (at least one)."""
-    logp = scores.log_softmax(-1)
-    entropy = -(logp.exp() * logp).nansum()
-    shifted = (-logp - entropy).abs()
-    sorted_shifted, order = shifted.sort()
-    cum = scores[order].softmax(-1).cumsum(-1)
-    last = min(int((cum < mass).sum().item()), scores.shape[-1] - 1)
-    remove = sorted_shifted > sorted_shifted[last]
-    remove[0] = False
-    return scores.index_fill(0, order[remove], float("-inf"))
-
-
 def token_logprobs(
     scores: torch.Tensor,  # [vocab] processed scores
     token_id: int,
@@ -129,3 +85,43 @@ def token_logprobs(
             top_ids = tuple(i for i, _ in pairs)
             top_lps = tuple(lp for _, lp in pairs)
     return TokenLogprobs(token_id, float(logp[token_id].item()), rank, top_ids, top_lps)
+
+
+class Sampler:
+    """Chooses one token per logits row for live requests: TGIS's rules (`logits_processor`),
+    then argmax or a draw from the request's own seeded generator, so a seeded request samples
+    the same tokens in any batch."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    def add_request(self, request_id: str, params: SamplingParams) -> None:
+        self._generators[request_id] = make_generator(params)
+
+    def remove_request(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [M, vocab] raw
+        reqs: Sequence[Request],  # [M]
+        emitted: Sequence[Sequence[int]],  # [M]: tokens chosen for the row's request this step
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per row, as if the row's request already held `emitted[i]` after its own
+        tokens (a draft path being verified), plus its details when its params ask for them."""
+        params = [r.sampling_params for r in reqs]
+        logits = process_eos(
+            logits,
+            params,
+            [r.num_output_tokens + len(e) for r, e in zip(reqs, emitted, strict=True)],
+            [r.eos_token_ids for r in reqs],
+        )
+        return sample_with_details(
+            logits,
+            params,
+            [self._generators[r.request_id] for r in reqs],
+            [
+                [*r.all_token_ids, *e] if r.sampling_params.repetition_penalty != 1.0 else ()
+                for r, e in zip(reqs, emitted, strict=True)
+            ],
+        )

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import CANDIDATE_SELECTIONS
+
 MODEL_TYPE = "mlp_speculator"
 DRAFT_VOCABULARY_FILE = "draft_vocabulary.json"
-CANDIDATE_SELECTIONS = ("joint", "coverage")
 _EPS = 1e-6
 
 

@@ -6,13 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import EngineConfig, SchedulerConfig
 from engine.core import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.sampling.params import SamplingParams
-from engine.scheduler import SchedulerConfig
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
 
 MAX_NEW = 24
+
+
+def runner_config(path: Path, num_blocks: int) -> EngineConfig:
+    return EngineConfig(path, dtype="float32", block_size=16, num_kv_blocks=num_blocks)
 
 
 def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -35,7 +39,7 @@ def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams)
 def test_engine_matches_transformers(
     tiny_path: Path, num_blocks: int, max_batched_tokens: int
 ) -> None:
-    runner = ModelRunner(tiny_path, num_blocks=num_blocks, dtype="float32", block_size=16)
+    runner = ModelRunner(runner_config(tiny_path, num_blocks))
     config = SchedulerConfig(
         max_num_seqs=8, max_num_batched_tokens=max_batched_tokens, max_model_len=2048
     )
@@ -49,7 +53,7 @@ def test_engine_matches_transformers(
 def test_prefix_cache_hits_change_no_token(tiny_path: Path) -> None:
     """Prompts sharing the chat template's system prompt, then the same prompts again (whole
     prompts cached but their last token): every request starts after a cached prefix."""
-    runner = ModelRunner(tiny_path, num_blocks=64, dtype="float32", block_size=16)
+    runner = ModelRunner(runner_config(tiny_path, 64))
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=2048)
     engine = LLMEngine(runner, config, frozenset(runner.config.eos_token_ids))
     prompts = [list(p) for p in chat_prompt_ids(tiny_path)[:6]]
@@ -65,7 +69,7 @@ def test_prefix_cache_hits_change_no_token(tiny_path: Path) -> None:
 
 
 def test_min_new_tokens_suppresses_eos(tiny_path: Path) -> None:
-    runner = ModelRunner(tiny_path, num_blocks=64, dtype="float32")
+    runner = ModelRunner(EngineConfig(tiny_path, dtype="float32", num_kv_blocks=64))
     first = hf_greedy(tiny_path, tuple(chat_prompt_ids(tiny_path)[0]), 1).token_ids[0]
     # Declare the first greedy token to be EOS: without min_new_tokens it ends the request.
     engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=4), frozenset({first}))

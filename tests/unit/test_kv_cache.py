@@ -17,8 +17,8 @@ def cdiv(a: int, b: int) -> int:
 
 class Oracle:
     """Independent model: expected contents per sequence, plus a fake K/V store (one int per
-    slot) that receives every write through `slot_mapping` and every fork copy. If two live
-    sequences ever alias a written slot, their read-back contents diverge from the expectation."""
+    slot) that receives every write through `slot_mapping`. If two live sequences ever alias a
+    written slot, their read-back contents diverge from the expectation."""
 
     def __init__(self, mgr: KVCacheManager) -> None:
         self.mgr = mgr
@@ -33,11 +33,6 @@ class Oracle:
         for slot, v in zip(self.mgr.slot_mapping(seq, start, end), vals, strict=True):
             self.store[slot] = v
         self.tokens[seq][start:end] = vals
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        bs = self.bs
-        for src, dst in copies:
-            self.store[dst * bs : (dst + 1) * bs] = self.store[src * bs : (src + 1) * bs]
 
     def check(self) -> None:
         mgr = self.mgr
@@ -75,7 +70,7 @@ def test_random_ops_against_oracle(block_size: int, seed: int) -> None:
     next_id = 0
     for _ in range(2500):
         seqs = list(orc.tokens)
-        op = rng.choice(["new", "grow", "grow", "fork", "truncate", "truncate", "free", "spec"])
+        op = rng.choice(["new", "grow", "grow", "truncate", "truncate", "free", "spec"])
         if op == "new" or not seqs:
             n = rng.randint(0, max_len)
             free_before = mgr.num_free_blocks
@@ -109,28 +104,6 @@ def test_random_ops_against_oracle(block_size: int, seed: int) -> None:
                 assert need > free_before
                 assert mgr.num_free_blocks == free_before
                 assert mgr.block_table(seq) == table_before and mgr.num_tokens(seq) == old
-        elif op == "fork":
-            parent = rng.choice(seqs)
-            n = rng.randint(0, len(orc.tokens[parent]))
-            free_before = mgr.num_free_blocks
-            if n % block_size and free_before == 0:
-                with pytest.raises(KVCacheError):
-                    mgr.fork(parent, next_id, n)
-                assert not mgr.has(next_id)
-            else:
-                copies = mgr.fork(parent, next_id, n)
-                assert len(copies) == (1 if n % block_size else 0)
-                assert (
-                    mgr.block_table(next_id)[: n // block_size]
-                    == (mgr.block_table(parent)[: n // block_size])
-                )
-                if copies:
-                    assert copies[0][0] == mgr.block_table(parent)[n // block_size]
-                    assert copies[0][1] == mgr.block_table(next_id)[-1]
-                orc.copy_blocks(copies)
-                orc.tokens[next_id] = orc.tokens[parent][:n]
-                assert mgr.num_free_blocks == free_before - len(copies)
-            next_id += 1
         elif op == "truncate":
             seq = rng.choice(seqs)
             n = rng.randint(0, len(orc.tokens[seq]))
@@ -218,43 +191,9 @@ def test_conformance_vectors() -> None:
     assert mgr.slot_mapping(0, 5, 17) == [*range(5, 16), 6 * 16]
     assert mgr.num_used_blocks == 7
 
-    # Fork 3 children of a 5-token prompt: 3 copied tail blocks. A 32-token parent copies none.
-    mgr = KVCacheManager(100, 16)
-    assert mgr.allocate_slots("p5", 5) and mgr.allocate_slots("p32", 32)
-    copies = [mgr.fork("p5", f"c{i}", 5) for i in range(3)]
-    assert all(len(c) == 1 and c[0][0] == mgr.block_table("p5")[0] for c in copies)
-    assert len({c[0][1] for c in copies}) == 3
-    assert mgr.fork("p32", "d", 32) == []
-    assert mgr.num_used_blocks == 1 + 2 + 3
-    for leaf in ["c0", "c1", "c2", "d"]:
-        assert mgr.allocate_slots(leaf, mgr.num_tokens(leaf) + 1)
-    assert mgr.num_used_blocks == 1 + 2 + 3 + 1  # only d needed a new block
-    for seq in ["c0", "c1", "c2", "d", "p5", "p32"]:
-        mgr.free(seq)
-    assert mgr.num_free_blocks == 100
-    mgr.check_integrity()
-
-
-def test_fork_errors_and_shortage() -> None:
-    mgr = KVCacheManager(2, 16)
-    assert mgr.allocate_slots("p", 20)
-    assert mgr.num_free_blocks == 0
-    with pytest.raises(KVCacheError):
-        mgr.fork("p", "c", 20)  # partial tail needs a block: none free
-    assert not mgr.has("c") and mgr.pool.ref_cnt(0) == 1
-    assert mgr.fork("p", "c", 16) == []  # block-aligned: no block needed
-    assert mgr.pool.ref_cnt(0) == 2
-    with pytest.raises(KVCacheError):
-        mgr.fork("p", "c", 0)  # child exists
-    with pytest.raises(KVCacheError):
-        mgr.fork("p", "x", 21)  # beyond parent length
-    with pytest.raises(KVCacheError):
-        mgr.fork("nope", "x", 0)
-    mgr.check_integrity()
-
 
 def test_truncate_releases_blocks() -> None:
-    mgr = KVCacheManager(8, 16)
+    mgr = KVCacheManager(8, 16, enable_prefix_caching=True)
     assert mgr.allocate_slots("a", 70)  # 5 blocks
     mgr.truncate("a", 33)
     assert len(mgr.block_table("a")) == 3 and mgr.num_free_blocks == 5
@@ -264,12 +203,14 @@ def test_truncate_releases_blocks() -> None:
     assert mgr.has("a") and mgr.block_table("a") == [] and mgr.num_free_blocks == 8
     with pytest.raises(KVCacheError):
         mgr.truncate("a", 1)
-    assert mgr.allocate_slots("b", 40) and mgr.fork("b", "c", 32) == []
+    assert mgr.allocate_slots("b", 40)
+    mgr.cache_computed_blocks("b", list(range(40)))
+    assert mgr.allocate_cached_prefix("c", list(range(33))) == 32  # shares b's 2 full blocks
     with pytest.raises(KVCacheError):
         mgr.truncate("c", 20)  # would make shared block partly filled
     mgr.truncate("c", 16)
     assert mgr.pool.ref_cnt(mgr.block_table("b")[1]) == 1
-    mgr.truncate("b", 20)  # block 1 is now owned by b alone
+    mgr.truncate("b", 36)  # into its own, unshared third block
     mgr.check_integrity()
 
 
@@ -280,22 +221,10 @@ def test_spec_decode_steps_do_not_leak() -> None:
     mgr = KVCacheManager(64, bs)
     assert mgr.allocate_slots("s", 21)
     cur = "s"
-    for step in range(300):
+    for _ in range(300):
         n = mgr.num_tokens(cur)
-        if step % 2:  # vLLM style: draft slots on the sequence itself, then truncate
-            assert mgr.allocate_slots(cur, n + k + 1)
-            mgr.truncate(cur, n + rng.randint(1, k + 1))
-        else:  # tree style: fork candidates, keep the best, free the rest and the parent
-            kids = [f"{step}.{i}" for i in range(3)]
-            for kid in kids:
-                mgr.fork(cur, kid, n)
-                assert mgr.allocate_slots(kid, n + k + 1)
-            best = rng.choice(kids)
-            for seq in [cur, *kids]:
-                if seq != best:
-                    mgr.free(seq)
-            mgr.truncate(best, n + rng.randint(1, k + 1))
-            cur = best
+        assert mgr.allocate_slots(cur, n + k + 1)  # draft slots on the sequence itself
+        mgr.truncate(cur, n + rng.randint(1, k + 1))  # roll back to the accepted prefix
         if mgr.num_tokens(cur) > 600:
             mgr.truncate(cur, 21)
         assert mgr.num_used_blocks == cdiv(mgr.num_tokens(cur), bs)
@@ -305,10 +234,11 @@ def test_spec_decode_steps_do_not_leak() -> None:
 
 
 def _fresh() -> KVCacheManager:
-    mgr = KVCacheManager(8, 4)
+    mgr = KVCacheManager(8, 4, enable_prefix_caching=True)
     assert mgr.allocate_slots("a", 10)  # 3 blocks, last partial
     assert mgr.allocate_slots("b", 4)
-    mgr.fork("a", "c", 8)  # shares a's first 2 (full) blocks
+    mgr.cache_computed_blocks("a", list(range(10)))
+    assert mgr.allocate_cached_prefix("c", list(range(9))) == 8  # a's first 2 (full) blocks
     mgr.check_integrity()
     return mgr
 

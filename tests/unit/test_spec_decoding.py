@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import EngineConfig, SchedulerConfig
 from engine.core import EngineOutput, LLMEngine
 from engine.model_runner import ModelRunner
 from engine.paths import model_path
 from engine.sampling.params import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.proposer import MLPProposer, Proposer
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
@@ -45,12 +46,15 @@ def make_engine(
     max_batched_tokens: int = 4096,
     eos: frozenset[int] | None = None,
 ) -> LLMEngine:
-    runner = ModelRunner(path, num_blocks=num_blocks, dtype="float32", block_size=16)
+    runner = ModelRunner(
+        EngineConfig(path, dtype="float32", block_size=16, num_kv_blocks=num_blocks)
+    )
     config = SchedulerConfig(
         max_num_seqs=32, max_num_batched_tokens=max_batched_tokens, max_model_len=2048
     )
     eos_ids = frozenset(runner.config.eos_token_ids) if eos is None else eos
-    return LLMEngine(runner, config, eos_ids, proposer)
+    drafter = None if proposer is None else Drafter(proposer, None, max_batch_size=16)
+    return LLMEngine(runner, config, eos_ids, drafter)
 
 
 def run(
@@ -140,7 +144,7 @@ def test_mlp_speculator_output_equals_transformers(
         dtype=engine.runner.dtype,
         device="cpu",
     )
-    engine.proposer = MLPProposer(speculator, top_k, n_candidates)
+    engine.drafter = Drafter(MLPProposer(speculator, top_k, n_candidates), None, 16)
     prompts = tiny_prompts(tiny_path, 3)
     result = run(engine, prompts, SamplingParams(max_new_tokens=MAX_NEW))
     for i, prompt in enumerate(prompts):
@@ -280,7 +284,7 @@ def test_smollm2_with_scripted_and_random_speculators(tmp_path: Path, smollm2_pa
     speculator = load_speculator(
         spec_path, hidden_size=576, vocab_size=49152, dtype=engine.runner.dtype, device="cpu"
     )
-    engine.proposer = MLPProposer(speculator)
+    engine.drafter = Drafter(MLPProposer(speculator), None, 16)
     result = run(engine, prompts[:4], SamplingParams(max_new_tokens=32))
     for i, prompt in enumerate(prompts[:4]):
         compare_greedy(result.token_ids[str(i)], hf_greedy(smollm2_path, tuple(prompt), 32))

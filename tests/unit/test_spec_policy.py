@@ -10,6 +10,7 @@ import pytest
 
 from engine.paths import model_path
 from engine.sampling.params import SamplingParams
+from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.policy import SpeculationPolicy
 from engine.spec_decode.proposer import MLPProposer
@@ -158,8 +159,8 @@ def test_engine_stops_speculating_when_drafts_never_pay(tmp_path: Path) -> None:
         spec, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, dtype=engine.runner.dtype,
         device="cpu",
     )  # fmt: skip
-    engine.proposer = MLPProposer(speculator, (5, 3, 2), 5)
-    engine.policy = SpeculationPolicy(5, refresh_every=1000)
+    policy = SpeculationPolicy(5, refresh_every=1000)
+    engine.drafter = Drafter(MLPProposer(speculator, (5, 3, 2), 5), policy, 16)
     prompt = list(chat_prompt_ids(path)[0])
     result = run(engine, [prompt], SamplingParams(max_new_tokens=64))
     compare_greedy(result.token_ids["0"], hf_greedy(path, tuple(prompt), 64))
@@ -173,8 +174,8 @@ def test_engine_keeps_speculating_when_drafts_pay() -> None:
     prompt = list(chat_prompt_ids(path)[1])
     ref = hf_greedy(path, tuple(prompt), 64)
     double = ScriptedProposer([prompt + ref.token_ids], accept_lengths=[4], num_heads=4)
-    engine = make_engine(path, double)
-    engine.policy = SpeculationPolicy(1)
+    engine = make_engine(path)
+    engine.drafter = Drafter(double, SpeculationPolicy(1), 16)
     result = run(engine, [prompt], SamplingParams(max_new_tokens=64))
     compare_greedy(result.token_ids["0"], ref)
     assert len(result.outputs["0"]) <= 64 // 5 + 4

@@ -1,0 +1,91 @@
+"""The one assembly of an engine: model runner, scheduler limits, speculator -> proposer ->
+policy -> drafter, `LLMEngine`. The offline `LLM` and the server both call `build_engine`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.core import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.spec_decode.drafter import Drafter
+from engine.spec_decode.loader import load_speculator
+from engine.spec_decode.policy import SpeculationPolicy
+from engine.spec_decode.proposer import MLPProposer, Proposer
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer in the model folder; OSError naming the folder when it has none."""
+    try:
+        return AutoTokenizer.from_pretrained(str(model_path))
+    except (OSError, ValueError) as e:
+        raise OSError(f"{model_path}: cannot load the tokenizer: {e}") from e
+
+
+def build_engine(
+    config: EngineConfig,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    proposer: Proposer | None = None,
+) -> LLMEngine:
+    """Load the model and assemble its engine. EOS ids are the model config's plus the
+    tokenizer's. A `proposer` (any drafter, e.g. a test double) takes the place of the
+    speculator `config.speculative` names; its tree shape and batch limit still apply.
+    Raises ValueError when the KV pool cannot hold one request of `config.max_model_len`."""
+    runner = ModelRunner(config)
+    max_model_len = config.max_model_len or runner.config.max_position_embeddings
+    pool_tokens = runner.num_blocks * runner.block_size
+    if config.max_model_len is not None and pool_tokens < max_model_len:
+        raise ValueError(
+            f"the KV cache ({runner.num_blocks} blocks of {runner.block_size} tokens) cannot hold "
+            f"one request of max_sequence_length {max_model_len}: raise kv_cache_blocks or "
+            "kv_cache_memory_mb, or lower max_sequence_length"
+        )
+    eos_token_ids = set(runner.config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_token_ids.add(tokenizer.eos_token_id)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+    )
+    spec = config.speculative or SpeculativeConfig()
+    if proposer is None and spec.path is not None:
+        proposer = _load_proposer(spec.path, spec, runner)
+    drafter = None
+    if proposer is not None:
+        policy = SpeculationPolicy(proposer.num_candidates) if spec.adaptive else None
+        drafter = Drafter(proposer, policy, spec.max_batch_size)
+    return LLMEngine(
+        runner, scheduler_config, frozenset(eos_token_ids), drafter, config.enable_prefix_caching
+    )
+
+
+def _load_proposer(path: Path, spec: SpeculativeConfig, runner: ModelRunner) -> MLPProposer:
+    speculator = load_speculator(
+        path,
+        hidden_size=runner.config.hidden_size,
+        vocab_size=runner.config.vocab_size,
+        dtype=runner.dtype,
+        device=runner.device,
+        n_predict=spec.n_predict,
+    )
+    proposer = MLPProposer(
+        speculator, spec.top_k_tokens_per_head, spec.n_candidates, spec.candidate_selection
+    )
+    logger.info(
+        "speculator %s: %d heads drafting from %d tokens, top-k per head %s, %d candidates by "
+        "%s, up to batch size %d",
+        path,
+        speculator.config.n_predict,
+        speculator.num_draft_tokens,
+        list(proposer.top_k_tokens_per_head),
+        proposer.n_candidates,
+        proposer.selection,
+        spec.max_batch_size,
+    )
+    return proposer

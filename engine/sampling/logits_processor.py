@@ -1,0 +1,94 @@
+"""TGIS's logit rules, all in one place, in TGIS's (HF's) order.
+
+For a batch of rows (`process_eos`): before `min_new_tokens`, EOS cannot be chosen (TGIS's
+MinNewTokens processor); after it, the length penalty raises the EOS scores. Then per row
+(`process_logits`): repetition penalty over the request's prompt + output ids and, for sampling
+only, temperature, top-k, top-p and typical-p. The sampler takes the argmax or a seeded draw of
+the result, and reports token details from the same processed scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.sampling.params import SamplingParams
+
+
+def process_eos(
+    logits: torch.Tensor,  # [M, vocab]
+    params: Sequence[SamplingParams],  # [M]
+    num_generated: Sequence[int],  # [M]: tokens the row's request has generated before it
+    eos_token_ids: Sequence[frozenset[int]],  # [M]: the row's request's EOS ids
+) -> torch.Tensor:  # [M, vocab]; `logits` itself when no rule applies
+    """Before `min_new_tokens` (unless `ignore_eos`), every EOS score becomes -inf. Afterwards,
+    with a length penalty (start, decay), once more than `start` tokens were generated, each
+    EOS score s becomes s + |s| * (decay ** (generated - start) - 1)."""
+    suppressed = [
+        i
+        for i, p in enumerate(params)
+        if num_generated[i] < p.min_new_tokens and not p.ignore_eos and eos_token_ids[i]
+    ]
+    penalised = [
+        i
+        for i, p in enumerate(params)
+        if p.length_penalty is not None
+        and num_generated[i] >= p.min_new_tokens
+        and num_generated[i] > p.length_penalty[0]
+        and eos_token_ids[i]
+    ]
+    if not suppressed and not penalised:
+        return logits
+    logits = logits.clone()
+    for i in suppressed:
+        ids = torch.tensor(sorted(eos_token_ids[i]), device=logits.device)
+        logits[i, ids] = float("-inf")
+    for i in penalised:
+        start, decay = params[i].length_penalty  # type: ignore[misc]
+        for eos in sorted(eos_token_ids[i]):
+            score = logits[i, eos]
+            logits[i, eos] = score + score.abs() * (decay ** (num_generated[i] - start) - 1)
+    return logits
+
+
+def process_logits(
+    logits: torch.Tensor,  # [vocab]
+    p: SamplingParams,
+    past_token_ids: Sequence[int],
+) -> torch.Tensor:  # [vocab] float32 on CPU, -inf where filtered out
+    """One row's repetition penalty and (sampling only) temperature, top-k, top-p, typical-p."""
+    scores = logits.float().cpu().clone()
+    if p.repetition_penalty != 1.0 and past_token_ids:
+        ids = torch.tensor(sorted(set(past_token_ids)), dtype=torch.int64)
+        seen = scores[ids]
+        rp = p.repetition_penalty
+        scores[ids] = torch.where(seen < 0, seen * rp, seen / rp)
+    if p.greedy:
+        return scores
+    scores = scores / p.temperature
+    if 0 < p.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, p.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_scores, order = scores.sort(descending=True)
+        probs = sorted_scores.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= p.top_p  # keep the token that crosses top_p
+        scores[order[drop]] = float("-inf")
+    if p.typical_p < 1.0:
+        scores = _typical_filter(scores, p.typical_p)
+    return scores
+
+
+def _typical_filter(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    """HF's TypicalLogitsWarper: keep the tokens whose surprise is closest to the entropy, up to
+    `mass` probability (at least one)."""
+    logp = scores.log_softmax(-1)
+    entropy = -(logp.exp() * logp).nansum()
+    shifted = (-logp - entropy).abs()
+    sorted_shifted, order = shifted.sort()
+    cum = scores[order].softmax(-1).cumsum(-1)
+    last = min(int((cum < mass).sum().item()), scores.shape[-1] - 1)
+    remove = sorted_shifted > sorted_shifted[last]
+    remove[0] = False
+    return scores.index_fill(0, order[remove], float("-inf"))

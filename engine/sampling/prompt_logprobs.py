@@ -1,0 +1,44 @@
+"""Prompt token details (`SamplingParams.prompt_logprobs`): the raw log-probabilities of prompt
+tokens 1 .. n-1, each given the tokens before it, gathered chunk by chunk as the prompt is
+computed and handed out with the request's first tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+from engine.sampling.sampler import TokenLogprobs, token_logprobs
+
+
+class PromptLogprobs:
+    """Per-request prompt token details, recorded in prompt order."""
+
+    def __init__(self) -> None:
+        self._recorded: dict[str, list[TokenLogprobs]] = {}
+
+    def logits_indices(self, req: Request, start: int, n: int) -> list[int]:
+        """Offsets within a chunk of `n` tokens from position `start` whose logits score the
+        next prompt token, for requests that want prompt logprobs and have not got them all yet
+        (recomputation after preemption skips what was already recorded)."""
+        if not req.sampling_params.prompt_logprobs or req.num_output_tokens:
+            return []
+        done = len(self._recorded.get(req.request_id, []))
+        last = req.num_prompt_tokens - 1  # positions 0 .. last-1 score tokens 1 .. last
+        return [j for j in range(n) if done <= start + j < last]
+
+    def record(
+        self,
+        req: Request,
+        logits: torch.Tensor,  # [len(positions), vocab]: row i scores the token at positions[i]
+        positions: list[int],
+    ) -> None:
+        recorded = self._recorded.setdefault(req.request_id, [])
+        top_n = req.sampling_params.top_n_tokens
+        for row, position in enumerate(positions):
+            if position == len(recorded) + 1:
+                token = req.prompt_token_ids[position]
+                recorded.append(token_logprobs(logits[row].float().cpu(), token, top_n))
+
+    def pop(self, request_id: str) -> list[TokenLogprobs] | None:
+        """The request's details, once; None when none were recorded."""
+        return self._recorded.pop(request_id, None)

@@ -1,0 +1,101 @@
+"""Which requests draft after a step, how many candidates they verify, and their trees.
+
+After each step the engine hands the `Drafter` the final-norm hidden state each request's last
+token was chosen from. A request may draft when it is greedy, exactly one token behind (its last
+token has no K/V yet: it becomes the tree's root) and has room for at least one draft, while at
+most `max_batch_size` requests run. The policy (when given) chooses how many candidates pay this
+step, possibly none, and may ask for a probe: one request drafts, to measure.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.scheduler import Scheduler
+from engine.spec_decode.policy import SpeculationPolicy
+from engine.spec_decode.proposer import ProposalInput, Proposer
+from engine.spec_decode.tree import DraftTree
+
+
+class Drafter:
+    def __init__(
+        self, proposer: Proposer, policy: SpeculationPolicy | None, max_batch_size: int
+    ) -> None:
+        """Without a `policy` every drafting request verifies the proposer's whole tree."""
+        self.proposer = proposer
+        self.policy = policy
+        self.max_batch_size = max_batch_size
+        self._trees: dict[str, DraftTree] = {}  # proposed for the next step
+        self._propose_seconds = 0.0  # drafting for the coming step, part of its cost
+
+    def take_trees(self) -> dict[str, DraftTree]:
+        """The trees proposed for the step about to run (the scheduler may truncate them)."""
+        trees, self._trees = self._trees, {}
+        return trees
+
+    def observe_step(self, num_rows: int, seconds: float, num_trees: int) -> None:
+        """A step of `num_rows` rows verifying `num_trees` trees took `seconds` (its drafting,
+        timed by `propose`, is added here)."""
+        if self.policy is not None:
+            self.policy.observe_step(num_rows, seconds + self._propose_seconds, num_trees)
+
+    def observe_tree(self, tree: DraftTree, token_ids: list[int]) -> None:
+        """A verified tree and the tokens its request gained from it."""
+        if self.policy is not None:
+            self.policy.observe_tree(tree, token_ids)
+
+    def propose(
+        self,
+        scheduler: Scheduler,
+        hidden_states: dict[str, torch.Tensor],  # request id -> [hidden]
+    ) -> dict[str, tuple[int, ...]]:
+        """Draft trees for the next step; returns each drafting request's draft token ids (in
+        tree order) for `Scheduler.update_draft_token_ids`."""
+        start = time.perf_counter()
+        self._trees = self._draft(scheduler, hidden_states)
+        self._propose_seconds = time.perf_counter() - start
+        return {request_id: tree.token_ids for request_id, tree in self._trees.items()}
+
+    def _draft(
+        self, scheduler: Scheduler, hidden_states: dict[str, torch.Tensor]
+    ) -> dict[str, DraftTree]:
+        if scheduler.num_running > self.max_batch_size:
+            return {}
+        inputs = []
+        for req in scheduler.running:
+            hidden = hidden_states.get(req.request_id)
+            if (
+                hidden is None
+                or not req.sampling_params.greedy
+                or req.num_computed_tokens != req.num_tokens - 1
+            ):
+                continue
+            remaining = min(
+                req.sampling_params.max_new_tokens - req.num_output_tokens,
+                scheduler.max_model_len - req.num_tokens,
+            )
+            max_depth = min(self.proposer.num_heads, remaining - 1)
+            if max_depth >= 1:
+                inputs.append(ProposalInput(req.request_id, req.all_token_ids, hidden, max_depth))
+        num_candidates = self.proposer.num_candidates
+        if self.policy is not None:
+            drafting = {p.request_id for p in inputs}
+            num_plain_rows = min(
+                sum(
+                    req.num_tokens - req.num_computed_tokens
+                    for req in scheduler.running
+                    if req.request_id not in drafting
+                ),
+                scheduler.config.max_num_batched_tokens - len(inputs),
+            )
+            num_candidates = self.policy.choose(num_plain_rows, len(inputs))
+            if self.policy.probing:
+                inputs = inputs[:1]
+        if not inputs or num_candidates == 0:
+            return {}
+        trees = self.proposer.propose(inputs)
+        if num_candidates < self.proposer.num_candidates:
+            trees = [t.first_candidates(num_candidates) for t in trees]
+        return {p.request_id: t for p, t in zip(inputs, trees, strict=True)}
