@@ -12,10 +12,22 @@ Pure functions: no gRPC server, no engine, no tokenizer. The servicer uses them 
 `validate_batched_request` / `validate_single_request` chain 1 and 3 when token counts are known.
 Every failure raises `ValidationError` whose message is TGIS's verbatim; the servicer returns it as
 INVALID_ARGUMENT. The result, `DecodingParams`, holds no protobuf types.
+
+Beyond TGIS, so that no request can harm another (issue 16):
+
+- non-finite floats (NaN, +-inf; the proto's floats are float32, so a client can send them) are
+  rejected with the message TGIS uses for the field, since every TGIS comparison is false for
+  NaN and lets it through. That includes +inf temperature (TGIS would accept it: it flattens
+  the distribution to uniform and turns logits into NaN) and -inf typical_p (TGIS treats
+  negatives as "disabled");
+- `top_n_tokens` is at most MAX_TOP_N_TOKENS (vllm-tgis-adapter's bound and message);
+- an input text is at most `Limits.max_input_bytes` UTF-8 bytes (`check_input_size`);
+- user text quoted in a message (prefix ids, tokenizer errors) is cut by `clip`.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import struct
 from collections.abc import Sequence
@@ -29,6 +41,15 @@ DEFAULT_MAX_NEW_TOKENS = 20
 MAX_STOP_SEQS = 6
 MAX_STOP_SEQ_BYTES = 240
 MAX_I32 = 2**31 - 1
+MAX_TOP_N_TOKENS = 10
+"""vllm-tgis-adapter's bound on top_n_tokens (TGIS's proto comment says 5; TGIS enforces none)."""
+MAX_QUOTED_BYTES = 256
+"""User text quoted in an error message is cut to this many UTF-8 bytes (see `clip`)."""
+MIN_INPUT_BYTES = 256 * 1024
+INPUT_BYTES_PER_TOKEN = 64
+"""An input text may hold `max(MIN_INPUT_BYTES, INPUT_BYTES_PER_TOKEN * max_sequence_length)`
+UTF-8 bytes: far more than any text of max_sequence_length tokens, so truncation still works,
+while bounding what one input costs to tokenize."""
 
 
 def _f32(x: float) -> float:
@@ -84,19 +105,46 @@ def input_min_length_error(
     )
 
 
+def clip(text: str, max_bytes: int = MAX_QUOTED_BYTES) -> str:
+    """`text` for quoting in an error message: unchanged up to `max_bytes` UTF-8 bytes, else its
+    first `max_bytes` bytes (never half a character) followed by an ellipsis. Error messages
+    travel in gRPC metadata, whose size is limited (an oversized one reaches the client as
+    RESOURCE_EXHAUSTED instead of the error)."""
+    if len(text) <= max_bytes // 4:
+        return text
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= max_bytes:
+        return text
+    return data[:max_bytes].decode("utf-8", "ignore") + "…"
+
+
+def top_n_tokens_error(top_n_tokens: int) -> ValidationError:
+    """``top_n_tokens (N) must be <= 10`` (vllm-tgis-adapter)."""
+    return ValidationError(f"top_n_tokens ({top_n_tokens}) must be <= {MAX_TOP_N_TOKENS}")
+
+
 def prefix_not_found_reason(prefix_id: str) -> str:
     """The `reason` for an unknown prompt-prefix id, to pass to `prefix_lookup_error`."""
-    return f'prefix id "{prefix_id}" not found'
+    return f'prefix id "{clip(prefix_id)}" not found'
 
 
 def prefix_lookup_error(prefix_id: str, reason: str) -> ValidationError:
     """A prompt-prefix (prefix_id) that could not be loaded; `reason` is the loader's message."""
-    return ValidationError(f"can't retrieve prompt prefix with id '{prefix_id}': {reason}")
+    return ValidationError(
+        f"can't retrieve prompt prefix with id '{clip(prefix_id)}': {clip(reason, 1024)}"
+    )
 
 
 def tokenizer_error(detail: str) -> ValidationError:
     """Tokenization of a generation input failed (Tokenize RPC errors are UNKNOWN instead)."""
-    return ValidationError(f"tokenizer error {detail}")
+    return ValidationError(f"tokenizer error {clip(detail)}")
+
+
+def input_size_error(num_bytes: int, max_bytes: int) -> ValidationError:
+    """An input text longer than `Limits.max_input_bytes`."""
+    return ValidationError(
+        f"input text is {num_bytes} UTF-8 bytes, more than the {max_bytes} allowed per input"
+    )
 
 
 @dataclass(frozen=True)
@@ -113,6 +161,20 @@ class Limits:
     def __post_init__(self) -> None:
         if self.max_sequence_length < 1 or self.max_new_tokens < 1:
             raise ValueError(f"invalid limits: {self}")
+
+    @property
+    def max_input_bytes(self) -> int:
+        """The most UTF-8 bytes of one input text (Generate and Tokenize)."""
+        return max(MIN_INPUT_BYTES, INPUT_BYTES_PER_TOKEN * self.max_sequence_length)
+
+
+def check_input_size(text: str, limits: Limits) -> None:
+    """Raise `input_size_error` when `text` is longer than `limits.max_input_bytes`."""
+    cap = limits.max_input_bytes
+    if len(text) > cap // 4:  # else it cannot exceed the cap (at most 4 bytes a character)
+        n = len(text.encode("utf-8", "surrogatepass"))
+        if n > cap:
+            raise input_size_error(n, cap)
 
 
 class LengthPenalty(NamedTuple):
@@ -184,8 +246,9 @@ def convert_parameters(params: pb.Parameters | None) -> DecodingParams:
     """§6.1: map request `params` (None if absent) to DecodingParams, without checking them.
 
     GREEDY ignores `sampling` entirely. SAMPLE copies it, with 0 meaning disabled for top_p and
-    typical_p (and a non-positive typical_p, which passes validation, also disabled), then turns
-    temperature 0 into 1.0. repetition_penalty 0 means 1.0; max_new_tokens 0 means 20.
+    typical_p (and a finite negative typical_p, which passes validation, also disabled), then
+    turns temperature 0 into 1.0. repetition_penalty 0 means 1.0; max_new_tokens 0 means 20.
+    Non-finite values are kept for `validate_parameters` to reject.
     """
     if params is None:
         return DecodingParams()
@@ -228,7 +291,9 @@ def convert_parameters(params: pb.Parameters | None) -> DecodingParams:
             temperature=sp.temperature if sp.temperature != 0.0 else 1.0,
             top_k=sp.top_k,
             top_p=sp.top_p if sp.top_p != 0.0 else 1.0,
-            typical_p=sp.typical_p if sp.typical_p > 0.0 else 1.0,
+            typical_p=(
+                sp.typical_p if sp.typical_p > 0.0 or not math.isfinite(sp.typical_p) else 1.0
+            ),
             seed=sp.seed if sp.HasField("seed") else None,
         )
     return out
@@ -238,14 +303,20 @@ def validate_parameters(params: DecodingParams, limits: Limits) -> None:
     """§6.2 parameter checks, in TGIS's order; raises ValidationError on the first failure.
 
     Float comparisons are done as TGIS does them, in float32 (so 0.05 passes the temperature
-    check). A top_k above the int32 range is what TGIS reports as not strictly positive.
+    check). A top_k above the int32 range is what TGIS reports as not strictly positive. Every
+    non-finite float fails with its field's message: NaN or inf temperature "must be >= 0.05",
+    NaN top_p "> 0.0 and <= 1.0", NaN or +-inf typical_p "<= 1.0", NaN or inf
+    repetition_penalty "> 0.0", a NaN decay_factor the length_penalty range.
+    `top_n_tokens` above MAX_TOP_N_TOKENS fails just before the token-detail check.
     """
     p = params
-    if p.temperature != 0.0 and p.temperature < _MIN_TEMPERATURE:
+    if not math.isfinite(p.temperature) or (
+        p.temperature != 0.0 and p.temperature < _MIN_TEMPERATURE
+    ):
         raise ValidationError(TEMPERATURE_MSG)
-    if p.top_p <= 0.0 or p.top_p > 1.0:
+    if not 0.0 < p.top_p <= 1.0:  # also false for NaN
         raise ValidationError(TOP_P_MSG)
-    if p.typical_p > 1.0:
+    if not math.isfinite(p.typical_p) or p.typical_p > 1.0:
         raise ValidationError(TYPICAL_P_MSG)
     if p.top_k < 0 or p.top_k > MAX_I32:
         raise ValidationError(TOP_K_MSG)
@@ -253,12 +324,14 @@ def validate_parameters(params: DecodingParams, limits: Limits) -> None:
         raise max_new_tokens_error(limits.max_new_tokens)
     if p.min_new_tokens > p.max_new_tokens:
         raise ValidationError(MIN_NEW_TOKENS_MSG)
-    if p.repetition_penalty <= 0.0:
+    if not math.isfinite(p.repetition_penalty) or p.repetition_penalty <= 0.0:
         raise ValidationError(REPETITION_PENALTY_MSG)
     if p.length_penalty is not None and not 1.0 <= p.length_penalty.decay_factor <= 10.0:
-        raise ValidationError(LENGTH_PENALTY_MSG)
+        raise ValidationError(LENGTH_PENALTY_MSG)  # also for NaN: the comparisons are false
     if len(p.stop_sequences) > MAX_STOP_SEQS:
         raise ValidationError(STOP_SEQUENCES_MSG)
+    if p.top_n_tokens > MAX_TOP_N_TOKENS:
+        raise top_n_tokens_error(p.top_n_tokens)
     if (p.token_logprobs or p.token_ranks or p.top_n_tokens != 0) and not (
         p.input_tokens or p.generated_tokens
     ):

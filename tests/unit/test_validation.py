@@ -22,6 +22,8 @@ from server.validation import (
     Limits,
     ValidatedInput,
     ValidationError,
+    check_input_size,
+    clip,
     convert_parameters,
     prefix_lookup_error,
     prefix_not_found_reason,
@@ -179,6 +181,87 @@ def test_prefix_lookup_message() -> None:
 
 def test_tokenizer_message() -> None:
     assert tokenizer_error("bad input").message == "tokenizer error bad input"
+
+
+# Beyond TGIS (issue 16): non-finite floats, top_n_tokens, quoted user text, input size.
+
+NAN, INF, NEG_INF = "NaN", "Infinity", "-Infinity"  # json_format spells them as strings
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"method": "SAMPLE", "sampling": {"temperature": NAN}}, "temperature must be >= 0.05"),
+        ({"method": "SAMPLE", "sampling": {"temperature": INF}}, "temperature must be >= 0.05"),
+        (
+            {"method": "SAMPLE", "sampling": {"temperature": NEG_INF}},
+            "temperature must be >= 0.05",
+        ),
+        ({"method": "SAMPLE", "sampling": {"topP": NAN}}, "top_p must be > 0.0 and <= 1.0"),
+        ({"method": "SAMPLE", "sampling": {"topP": INF}}, "top_p must be > 0.0 and <= 1.0"),
+        ({"method": "SAMPLE", "sampling": {"typicalP": NAN}}, "typical_p must be <= 1.0"),
+        ({"method": "SAMPLE", "sampling": {"typicalP": INF}}, "typical_p must be <= 1.0"),
+        ({"method": "SAMPLE", "sampling": {"typicalP": NEG_INF}}, "typical_p must be <= 1.0"),
+        ({"decoding": {"repetitionPenalty": NAN}}, "repetition_penalty must be > 0.0"),
+        ({"decoding": {"repetitionPenalty": INF}}, "repetition_penalty must be > 0.0"),
+        ({"decoding": {"repetitionPenalty": NEG_INF}}, "repetition_penalty must be > 0.0"),
+        (
+            {"decoding": {"lengthPenalty": {"startIndex": 2, "decayFactor": NAN}}},
+            "length_penalty must be >= 1.0 and <= 10.0",
+        ),
+        (
+            {"decoding": {"lengthPenalty": {"startIndex": 2, "decayFactor": INF}}},
+            "length_penalty must be >= 1.0 and <= 10.0",
+        ),
+    ],
+)
+def test_non_finite_floats_get_their_field_message(params: dict[str, Any], message: str) -> None:
+    # Through a float32 serialization round trip, as a client would send them.
+    assert error_of(params) == message
+
+
+def test_non_finite_sampling_floats_are_ignored_in_greedy_mode() -> None:
+    # GREEDY ignores `sampling` entirely (§6.1), NaN included: nothing reaches the engine.
+    assert params_of({"sampling": {"temperature": NAN, "topP": NAN}}).greedy
+
+
+def test_top_n_tokens_bound() -> None:
+    response = {"generatedTokens": True, "topNTokens": 11}
+    assert error_of({"response": response}) == "top_n_tokens (11) must be <= 10"
+    response["topNTokens"] = 1_000_000_000
+    assert error_of({"response": response}) == "top_n_tokens (1000000000) must be <= 10"
+    assert params_of({"response": {"inputTokens": True, "topNTokens": 10}}).top_n_tokens == 10
+
+
+def test_clip() -> None:
+    assert clip("short") == "short"
+    assert clip("x" * 256) == "x" * 256
+    assert clip("x" * 1000) == "x" * 256 + "…"
+    # Never half a character: 85 three-byte characters are 255 bytes.
+    assert clip("€" * 1000) == "€" * 85 + "…"
+    assert clip("abcdef", max_bytes=4) == "abcdef"[:4] + "…"
+
+
+def test_messages_quoting_user_text_are_bounded() -> None:
+    huge = "p" * 1_000_000
+    message = prefix_lookup_error(huge, prefix_not_found_reason(huge)).message
+    assert len(message.encode()) < 1024
+    assert message.startswith("can't retrieve prompt prefix with id '" + "p" * 256 + "…'")
+    assert message.endswith('prefix id "' + "p" * 256 + '…" not found')
+    assert len(tokenizer_error("t" * 100_000).message.encode()) < 300
+
+
+def test_input_size_limit() -> None:
+    limits = Limits(max_sequence_length=256, max_new_tokens=100)
+    assert limits.max_input_bytes == 256 * 1024  # the floor
+    assert Limits(max_sequence_length=8192, max_new_tokens=100).max_input_bytes == 64 * 8192
+    check_input_size("x" * limits.max_input_bytes, limits)
+    check_input_size("😀" * (limits.max_input_bytes // 4), limits)
+    with pytest.raises(ValidationError) as info:
+        check_input_size("😀" * (limits.max_input_bytes // 4) + "x", limits)
+    assert info.value.message == (
+        "input text is 262145 UTF-8 bytes, more than the 262144 allowed per input"
+    )
 
 
 def test_input_too_long() -> None:
