@@ -31,6 +31,9 @@ _MODEL_LENGTH_KEYS = (
     "seq_len",
 )
 _DEFAULT_MAX_SEQUENCE_LENGTH = 2048
+DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024 - 64 * 1024
+"""64 KiB below gRPC's default receive limit (4 MiB): a client with default settings would fail
+on a larger message with RESOURCE_EXHAUSTED and no explanation."""
 
 
 _IGNORED_LAUNCHER_FLAGS = (
@@ -104,6 +107,13 @@ class ServerConfig:
     max_concurrent_requests: int = field(
         default=512,
         metadata=_meta("gRPC admission limit; a batch of n inputs takes n permits."),
+    )
+    max_response_bytes: int = field(
+        default=DEFAULT_MAX_RESPONSE_BYTES,
+        metadata=_meta(
+            "Largest gRPC response message (bytes); a request whose response would be larger "
+            "fails with RESOURCE_EXHAUSTED. Default: 64 KiB below gRPC's 4 MiB receive limit."
+        ),
     )
     kv_cache_blocks: int | None = field(
         default=None,
@@ -240,6 +250,8 @@ class ServerConfig:
                 f"max_batched_tokens ({self.max_batched_tokens}) must be >= max_batch_size "
                 f"({self.max_batch_size})"
             )
+        if self.max_response_bytes < 1024:
+            raise ValueError(f"max_response_bytes must be >= 1024, got {self.max_response_bytes}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 2:
             raise ValueError(f"kv_cache_blocks must be >= 2, got {self.kv_cache_blocks}")
         if self.kv_cache_memory_mb < 1:

@@ -10,6 +10,12 @@ Three layers, each protobuf-free except the servicer:
 - `GenerationServicer` is the thin RPC layer: admission (MAX_CONCURRENT_REQUESTS), validation,
   tokenization, and `server.convert` for every message; `handle_errors` maps exceptions to
   status codes.
+
+No request can harm another: tokenization (Generate and Tokenize) runs on a thread pool, not on
+the event loop; Tokenize takes admission permits like Generate; every response message is at
+most `max_response_bytes` (below gRPC's default 4 MiB receive limit), else the request fails
+with RESOURCE_EXHAUSTED; error messages quote user text clipped; `RequestDecodeGuard` answers
+undecodable request bytes with INVALID_ARGUMENT and a rate-limited warning.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,6 +40,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.core import EngineOutput
 from server import convert
+from server.config import DEFAULT_MAX_RESPONSE_BYTES
 from server.convert import OutputChunk
 from server.engine_worker import EngineWorker, RequestTiming, Submission
 from server.errors import GenerationError
@@ -42,6 +52,8 @@ from server.validation import (
     DecodingParams,
     Limits,
     ValidationError,
+    check_input_size,
+    clip,
     prefix_lookup_error,
     prefix_not_found_reason,
     request_parameters,
@@ -52,10 +64,48 @@ from server.validation import (
 logger = logging.getLogger(__name__)
 
 OVERLOADED_MSG = "Model is overloaded"
+MAX_ERROR_MESSAGE_BYTES = 1024
+"""Any error message is clipped to this (a status message travels in gRPC metadata)."""
+DECODE_WARNING_INTERVAL_S = 10.0
 
 
 class Overloaded(Exception):
     """More inputs in flight than MAX_CONCURRENT_REQUESTS allows (RESOURCE_EXHAUSTED)."""
+
+
+class ResponseTooLarge(Exception):
+    """A response message would exceed `max_response_bytes` (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"the response would exceed {limit} bytes (MAX_RESPONSE_BYTES): request fewer token "
+            "details (top_n_tokens, input_tokens), fewer or shorter inputs, or no offsets"
+        )
+
+
+class TokenizerFailure(Exception):
+    """The tokenizer failed on a Tokenize input (UNKNOWN, the tokenizer's text, as TGIS)."""
+
+
+class _SizeBound:
+    """Running size of a message being assembled from parts; raises ResponseTooLarge past
+    `limit`. Each part counts its serialized size plus its field tag and length prefix."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+
+    def add(self, part: Any) -> None:
+        n = int(part.ByteSize())
+        self.size += n + 1 + max(1, math.ceil(n.bit_length() / 7))
+        if self.size > self.limit:
+            raise ResponseTooLarge(self.limit)
+
+    def check(self, message: Any) -> Any:
+        """`message` itself, if it is at most `limit` bytes."""
+        if message.ByteSize() > self.limit:
+            raise ResponseTooLarge(self.limit)
+        return message
 
 
 @dataclass(frozen=True)
@@ -77,8 +127,12 @@ T = TypeVar("T")
 def handle_errors(kind: str) -> Callable[[T], T]:
     """Map exceptions of an RPC handler (coroutine or async generator) to gRPC statuses:
     ValidationError -> INVALID_ARGUMENT with its exact message, Overloaded ->
-    RESOURCE_EXHAUSTED "Model is overloaded", GenerationError and anything else -> UNKNOWN.
-    Counts each failure in `tgi_request_failure` and cancellations as err="cancelled"."""
+    RESOURCE_EXHAUSTED "Model is overloaded", ResponseTooLarge -> RESOURCE_EXHAUSTED,
+    GenerationError, TokenizerFailure and anything else -> UNKNOWN (only the last logged with a
+    traceback). Messages are clipped to MAX_ERROR_MESSAGE_BYTES. Counts each Generate failure in
+    `tgi_request_failure` (a response too large as err="validation"), cancellations as
+    err="cancelled"; `kind` "tokenize" counts nothing."""
+    counted = kind != "tokenize"
 
     def decorate(fn: Any) -> Any:
         async def fail(
@@ -89,12 +143,15 @@ def handle_errors(kind: str) -> Callable[[T], T]:
                 code, err, message = grpc.StatusCode.INVALID_ARGUMENT, "validation", e.message
             elif isinstance(e, Overloaded):
                 code, err, message = grpc.StatusCode.RESOURCE_EXHAUSTED, "conc_limit", str(e)
+            elif isinstance(e, ResponseTooLarge):
+                code, err = grpc.StatusCode.RESOURCE_EXHAUSTED, "validation"
             elif isinstance(e, GenerationError):
                 err, message = "generate", f"Request failed during generation: {e}"
-            else:
+            elif not isinstance(e, TokenizerFailure):
                 logger.exception("%s failed", fn.__name__)
-            self.metrics.request_failure.labels(err).inc()
-            await context.abort(code, message)
+            if counted:
+                self.metrics.request_failure.labels(err).inc()
+            await context.abort(code, clip(message, MAX_ERROR_MESSAGE_BYTES))
 
         if inspect.isasyncgenfunction(fn):
 
@@ -111,7 +168,8 @@ def handle_errors(kind: str) -> Callable[[T], T]:
                     except (asyncio.CancelledError, GeneratorExit):
                         # GeneratorExit: the client went away while the stream was suspended
                         # at a yield, and grpc closed it; aclosing() cancels the job now.
-                        self.metrics.request_failure.labels("cancelled").inc()
+                        if counted:
+                            self.metrics.request_failure.labels("cancelled").inc()
                         raise
                     except Exception as e:
                         await fail(self, context, e)
@@ -127,7 +185,8 @@ def handle_errors(kind: str) -> Callable[[T], T]:
             except grpc.aio.AbortError:
                 raise
             except asyncio.CancelledError:
-                self.metrics.request_failure.labels("cancelled").inc()
+                if counted:
+                    self.metrics.request_failure.labels("cancelled").inc()
                 raise
             except Exception as e:
                 await fail(self, context, e)
@@ -138,7 +197,8 @@ def handle_errors(kind: str) -> Callable[[T], T]:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    """The RPC handlers. Runs on one event loop; `worker` runs the engine."""
+    """The RPC handlers. Runs on one event loop; `worker` runs the engine; tokenization runs on
+    a pool of `tokenization_workers` threads (default: min(8, CPUs)); `close()` stops it."""
 
     def __init__(
         self,
@@ -149,6 +209,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         max_concurrent_requests: int,
         default_include_stop_seqs: bool = True,
         output_special_tokens: bool = False,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        tokenization_workers: int | None = None,
     ) -> None:
         self.worker = worker
         self.tokenizer = tokenizer
@@ -157,12 +219,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.max_concurrent_requests = max_concurrent_requests
         self.default_include_stop_seqs = default_include_stop_seqs
         self.skip_special_tokens = not output_special_tokens
+        self.max_response_bytes = max_response_bytes
+        workers = tokenization_workers or min(8, os.cpu_count() or 1)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
         self._in_flight = 0
         bos = tokenizer.bos_token_id
         probe = list(tokenizer("a")["input_ids"])
         self._bos_id: int | None = bos if probe and probe[0] == bos else None
         fallback = bos if bos is not None else tokenizer.eos_token_id
         self._empty_prompt = [fallback if fallback is not None else 0]
+
+    def close(self) -> None:
+        """Stop the tokenization threads (work already queued is dropped)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenization pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     @contextmanager
     def _admit(self, n: int) -> Iterator[None]:
@@ -173,6 +246,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             yield
         finally:
             self._in_flight -= n
+
+    def _prepare_all(self, texts: Sequence[str], params: DecodingParams) -> list[PreparedInput]:
+        """`_prepare` each input in order (on the tokenization pool); the first failure raises."""
+        return [self._prepare(text, params) for text in texts]
 
     def _prepare(self, text: str, params: DecodingParams) -> PreparedInput:
         try:
@@ -251,7 +328,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         with self._admit(len(request.requests)):
             params = request_parameters(request, self.limits)
             _check_prefix(request)
-            inputs = [self._prepare(r.text, params) for r in request.requests]
+            texts = [r.text for r in request.requests]
+            for text in texts:
+                check_input_size(text, self.limits)
+            inputs = await self._off_loop(self._prepare_all, texts, params)
             self.metrics.request_validation_duration.observe(time.monotonic() - t0)
             jobs = self._start(inputs, t0)
             try:
@@ -260,8 +340,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 for job in jobs:
                     job.cancel()
         response = pb.BatchedGenerationResponse()
+        bound = _SizeBound(self.max_response_bytes)
         for inp, job, chunks in zip(inputs, jobs, results, strict=True):
-            self._record_success(kind, inp, chunks[-1], job)
             input_text = inp.text if inp.params.input_text else ""
             seed = inp.params.seed or 0
             input_tokens = []
@@ -272,6 +352,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     chunks, inp.input_token_count, input_text, seed, input_tokens
                 )
             )
+            bound.add(response.responses[-1])
+        for inp, job, chunks in zip(inputs, jobs, results, strict=True):
+            self._record_success(kind, inp, chunks[-1], job)
         return response
 
     @handle_errors("stream")
@@ -284,39 +367,62 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         with self._admit(1):
             params = request_parameters(request, self.limits)
             _check_prefix(request)
-            inp = self._prepare(request.request.text, params)
+            check_input_size(request.request.text, self.limits)
+            inp = await self._off_loop(self._prepare, request.request.text, params)
             self.metrics.request_validation_duration.observe(time.monotonic() - t0)
             seed = inp.params.seed or 0
             input_text = inp.text if inp.params.input_text else ""
+            bound = _SizeBound(self.max_response_bytes)
             (job,) = self._start([inp], t0)
             try:
-                yield convert.first_stream_message(inp.input_token_count, input_text, seed)
+                first = convert.first_stream_message(inp.input_token_count, input_text, seed)
+                yield bound.check(first)
                 inputs_pending = inp.params.input_tokens
                 async for chunk in job.chunks():
                     if inputs_pending:
                         inputs_pending = False
                         details = job.tracker.input_tokens(inp.input_token_ids)
-                        yield convert.input_tokens_message(inp.input_token_count, details)
+                        message = convert.input_tokens_message(inp.input_token_count, details)
+                        yield bound.check(message)
                     if chunk.text or chunk.tokens or chunk.finished:
-                        yield convert.stream_message(chunk, seed)
+                        yield bound.check(convert.stream_message(chunk, seed))
                     if chunk.finished:
                         self._record_success("stream", inp, chunk, job)
             finally:
                 job.cancel()
 
+    @handle_errors("tokenize")
     async def Tokenize(
         self, request: pb.BatchedTokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.BatchedTokenizeResponse:
+        """Admitted like Generate (one permit per input); each text is at most
+        `limits.max_input_bytes`; `truncate_input_tokens` N > 0 keeps the last N tokens (and
+        their offsets), as TGIS."""
         t0 = time.monotonic()
         self.metrics.tokenize_request_count.inc()
         self.metrics.tokenize_request_input_count.inc(len(request.requests))
+        if not request.requests:
+            return pb.BatchedTokenizeResponse()
+        with self._admit(len(request.requests)):
+            for r in request.requests:
+                check_input_size(r.text, self.limits)
+            response, total = await self._off_loop(self._tokenize, request)
+        self.metrics.tokenize_request_tokens.observe(total)
+        self.metrics.tokenize_request_duration.observe(time.monotonic() - t0)
+        return response
+
+    def _tokenize(
+        self, request: pb.BatchedTokenizeRequest
+    ) -> tuple[pb.BatchedTokenizeResponse, int]:
+        """The Tokenize response and its total token count (on the tokenization pool)."""
         response = pb.BatchedTokenizeResponse()
+        bound = _SizeBound(self.max_response_bytes)
         total = 0
         for r in request.requests:
             try:
                 enc = self.tokenizer(r.text, return_offsets_mapping=request.return_offsets)
             except Exception as e:
-                await context.abort(grpc.StatusCode.UNKNOWN, str(e))
+                raise TokenizerFailure(clip(str(e))) from e
             ids = list(enc["input_ids"])
             offsets = [tuple(o) for o in enc["offset_mapping"]] if request.return_offsets else None
             keep = request.truncate_input_tokens
@@ -326,9 +432,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             tokens = self.tokenizer.convert_ids_to_tokens(ids) if request.return_tokens else None
             total += len(ids)
             response.responses.append(convert.tokenize_response(len(ids), tokens, offsets))
-        self.metrics.tokenize_request_tokens.observe(total)
-        self.metrics.tokenize_request_duration.observe(time.monotonic() - t0)
-        return response
+            bound.add(response.responses[-1])
+        return response, total
 
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
@@ -386,3 +491,105 @@ class _Job:
         if not self._done:
             self._done = True
             self._worker.abort(self.request_id)
+
+
+class _Undecodable:
+    """What the guarded deserializer returns for bytes that are not a valid request message."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+class _RateLimitedWarning:
+    """Logs a WARNING at most once per `interval_s`, counting the occurrences it held back."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last = -math.inf
+        self._held_back = 0
+
+    def warn(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self._held_back += 1
+            return
+        if self._held_back:
+            message += f" ({self._held_back} more in the previous {self.interval_s:.0f} s)"
+        logger.warning(message, *args)
+        self._last, self._held_back = now, 0
+
+
+class RequestDecodeGuard(grpc.aio.ServerInterceptor):
+    """Answers request bytes that do not decode (malformed protobuf, invalid UTF-8 in a string)
+    with INVALID_ARGUMENT ``malformed request message: ...`` and at most one WARNING line per
+    `interval_s`. Left alone, grpc.aio raises in its deserializer, logs a traceback per message
+    and answers UNKNOWN. Applies to unary-request methods (streamed requests pass through)."""
+
+    def __init__(self, interval_s: float = DECODE_WARNING_INTERVAL_S) -> None:
+        self._warning = _RateLimitedWarning(interval_s)
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = str(handler_call_details.method)
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method, handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        deserialize = handler.request_deserializer
+
+        def guarded(data: bytes) -> Any:
+            try:
+                return deserialize(data)
+            except Exception as e:
+                return _Undecodable(f"{type(e).__name__}: {e}")
+
+        async def reject(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+            self._warning.warn("undecodable request to %s: %s", method, clip(request.error))
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed request message: {clip(request.error)}",
+            )
+
+        serialize = handler.response_serializer
+        if not handler.response_streaming:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    await reject(request, context)
+                result = inner(request, context)
+                return await result if inspect.isawaitable(result) else result
+
+            return grpc.unary_unary_rpc_method_handler(unary, guarded, serialize)
+        inner_stream = handler.unary_stream
+        if inspect.iscoroutinefunction(inner_stream):  # the reader/writer API
+
+            async def writer(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    await reject(request, context)
+                return await inner_stream(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(writer, guarded, serialize)
+        if inspect.isasyncgenfunction(inner_stream):
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if isinstance(request, _Undecodable):
+                    await reject(request, context)
+                async for item in inner_stream(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(stream, guarded, serialize)
+        return handler  # a synchronous generator: left to grpc

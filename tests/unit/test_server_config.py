@@ -45,3 +45,11 @@ def test_attention_switches_parse_booleans(value: str, expected: bool) -> None:
     assert config.paged_attention is expected
     with pytest.raises(ValueError, match="flash_attention: invalid value 'yes please'"):
         ServerConfig.from_env_and_args([], {"FLASH_ATTENTION": "yes please"})
+
+
+def test_max_response_bytes() -> None:
+    assert ServerConfig.from_env_and_args([], {}).max_response_bytes == 4 * 1024 * 1024 - 65536
+    config = ServerConfig.from_env_and_args([], {"MAX_RESPONSE_BYTES": "1048576"})
+    assert config.max_response_bytes == 1048576
+    with pytest.raises(ValueError, match="max_response_bytes must be >= 1024"):
+        ServerConfig.from_env_and_args(["--max-response-bytes", "100"], {})
