@@ -20,7 +20,8 @@ _UNHEALTHY = b'{"error":"unhealthy"}'
 class HttpServer:
     """`/health`: 200 with an empty body when `health()` is True, else 503
     ``{"error":"unhealthy"}``. `/metrics`: the Prometheus text of `metrics`. Anything else:
-    404."""
+    404. Constructing it binds the port (OSError if taken); `start()` serves; `stop()` closes
+    it, started or not."""
 
     def __init__(
         self, host: str, port: int, health: Callable[[], bool], metrics: ServerMetrics
@@ -29,6 +30,7 @@ class HttpServer:
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+        self._started = False
 
     @property
     def port(self) -> int:
@@ -37,9 +39,11 @@ class HttpServer:
 
     def start(self) -> None:
         self._thread.start()
+        self._started = True
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._started:  # shutdown() waits for serve_forever, forever if it never ran
+            self._server.shutdown()
         self._server.server_close()
 
 

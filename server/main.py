@@ -6,16 +6,23 @@ The gRPC port serves TLS (or mTLS) when configured, the standard `grpc.health.v1
 service (SERVING once the model answered, NOT_SERVING from the start of a shutdown) and server
 reflection. SIGTERM/SIGINT: stop accepting RPCs, give in-flight ones `shutdown_grace_s` to finish,
 cancel the rest, stop the engine and exit 0.
+
+Both ports are bound exclusively (gRPC without SO_REUSEPORT, so a second server on the same
+GRPC_PORT cannot share it). They are checked before the model loads, and bound for real after:
+a port in use ends start-up with one error line naming the port and its variable, exit code 1,
+after stopping whatever had started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -24,12 +31,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from transformers import PreTrainedTokenizerBase
 
 from engine.builder import build_engine, load_tokenizer
 from engine.config import EngineConfig, SpeculativeConfig
 from server.config import ServerConfig
 from server.engine_worker import EngineWorker
-from server.grpc_server import GenerationServicer
+from server.grpc_server import GenerationServicer, RequestDecodeGuard
 from server.http_server import HttpServer
 from server.metrics import ServerMetrics
 from server.pb import generation_pb2, generation_pb2_grpc
@@ -40,6 +48,70 @@ logger = logging.getLogger("specserve")
 
 _HEALTH_PROBE_TIMEOUT_S = 60.0
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+class StartupError(RuntimeError):
+    """Start-up cannot go on; the message is the one line logged before exiting 1."""
+
+
+_SETTLE_TIMEOUT_S = 2.0
+
+
+async def _settle(timeout: float) -> None:
+    """Let the loop's other tasks finish, up to `timeout` s. grpc's stop returns once it has
+    cancelled the calls still running after the grace period, but their tasks end a few loop
+    turns later; asyncio.run would cancel them instead, and grpc logs a CancelledError
+    traceback for each."""
+    current = asyncio.current_task()
+    others = [t for t in asyncio.all_tasks() if t is not current]
+    if others:
+        await asyncio.wait(others, timeout=timeout)
+
+
+def port_in_use_error(what: str, port: int, variable: str, detail: str) -> StartupError:
+    return StartupError(f"{what} port {port} ({variable}) is already in use: {detail}")
+
+
+def check_port_free(port: int, what: str, variable: str, host: str = "0.0.0.0") -> None:
+    """Raise StartupError when something listens on `port` (0: nothing to check). Binds a
+    throwaway socket with SO_REUSEADDR, as the servers do: on Linux that fails only when the
+    port has a listener, not for connections lingering in TIME_WAIT."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise port_in_use_error(what, port, variable, e.strerror or str(e)) from None
+
+
+def add_grpc_port(
+    server: grpc.aio.Server, port: int, credentials: grpc.ServerCredentials | None
+) -> int:
+    """Bind the gRPC port; StartupError naming GRPC_PORT when it cannot be bound (grpc returns
+    0 or raises RuntimeError, depending on its version)."""
+    address = f"0.0.0.0:{port}"
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError as e:
+        raise port_in_use_error("gRPC", port, "GRPC_PORT", str(e)) from None
+    if bound == 0:
+        raise port_in_use_error("gRPC", port, "GRPC_PORT", "grpc could not bind it")
+    return bound
+
+
+def bind_http(port: int, health: Callable[[], bool], metrics: ServerMetrics) -> HttpServer:
+    """The HTTP server bound to `port` (not serving yet); StartupError naming PORT."""
+    try:
+        return HttpServer("0.0.0.0", port, health, metrics)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise StartupError(f"HTTP port {port} (PORT) cannot be bound: {e}") from None
+        raise port_in_use_error("HTTP", port, "PORT", e.strerror or str(e)) from None
 
 
 def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfig:
@@ -72,6 +144,8 @@ def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfi
 async def serve(config: ServerConfig) -> None:
     """Run the server until SIGTERM or SIGINT."""
     credentials = server_credentials(config)
+    check_port_free(config.grpc_port, "gRPC", "GRPC_PORT")
+    check_port_free(config.port, "HTTP", "PORT")
     max_seq_len = config.resolved_max_sequence_length()
     max_new_tokens = config.effective_max_new_tokens(max_seq_len)
     if max_new_tokens < config.max_new_tokens:
@@ -103,6 +177,22 @@ async def serve(config: ServerConfig) -> None:
     metrics.kv_cache_blocks_used.set(0)
     worker = EngineWorker(engine, metrics)
     worker.start()
+    try:
+        await _serve_with(config, worker, tokenizer, metrics, credentials, max_seq_len)
+    finally:
+        worker.stop(timeout=10.0)
+
+
+async def _serve_with(
+    config: ServerConfig,
+    worker: EngineWorker,
+    tokenizer: PreTrainedTokenizerBase,
+    metrics: ServerMetrics,
+    credentials: grpc.ServerCredentials | None,
+    max_seq_len: int,
+) -> None:
+    """`serve` once the engine thread runs: probe it, bind both ports, serve until a signal,
+    and stop what started (in reverse order) however this ends."""
     probe_prompt = list(tokenizer("liveness")["input_ids"]) or [0]
     loop = asyncio.get_running_loop()
     if not await loop.run_in_executor(None, worker.probe, probe_prompt, _HEALTH_PROBE_TIMEOUT_S):
@@ -114,13 +204,16 @@ async def serve(config: ServerConfig) -> None:
     servicer = GenerationServicer(
         worker,
         tokenizer,
-        Limits(max_seq_len, max_new_tokens),
+        Limits(max_seq_len, config.effective_max_new_tokens(max_seq_len)),
         metrics,
         config.max_concurrent_requests,
         default_include_stop_seqs=config.default_include_stop_seqs,
         output_special_tokens=config.output_special_tokens,
+        max_response_bytes=config.max_response_bytes,
     )
-    server = grpc.aio.server()
+    server = grpc.aio.server(
+        interceptors=[RequestDecodeGuard()], options=[("grpc.so_reuseport", 0)]
+    )
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -129,30 +222,36 @@ async def serve(config: ServerConfig) -> None:
     reflection.enable_server_reflection(
         (GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
     )
-    address = f"0.0.0.0:{config.grpc_port}"
-    if credentials is None:
-        grpc_port = server.add_insecure_port(address)
-    else:
-        grpc_port = server.add_secure_port(address, credentials)
-        logger.info(
-            "gRPC TLS enabled%s",
-            ": client certificates required (mTLS)" if config.tls_client_ca_cert_path else "",
-        )
-    await server.start()
-    logger.info("gRPC server started on port %d", grpc_port)
-    http = HttpServer("0.0.0.0", config.port, health, metrics)
-    http.start()
-    logger.info("HTTP server started on port %d", http.port)
+    http: HttpServer | None = None
+    started = False
+    try:
+        grpc_port = add_grpc_port(server, config.grpc_port, credentials)
+        http = bind_http(config.port, health, metrics)
+        if credentials is not None:
+            logger.info(
+                "gRPC TLS enabled%s",
+                ": client certificates required (mTLS)" if config.tls_client_ca_cert_path else "",
+            )
+        await server.start()
+        started = True
+        logger.info("gRPC server started on port %d", grpc_port)
+        http.start()
+        logger.info("HTTP server started on port %d", http.port)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logger.info("shutting down: up to %.1f s for in-flight requests", config.shutdown_grace_s)
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(config.shutdown_grace_s)
-    http.stop()
-    worker.stop(timeout=10.0)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        logger.info("shutting down: up to %.1f s for in-flight requests", config.shutdown_grace_s)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(config.shutdown_grace_s)
+        await _settle(_SETTLE_TIMEOUT_S)
+    finally:
+        if started:
+            await server.stop(None)  # at once; a no-op after the graceful stop
+        if http is not None:
+            http.stop()
+        servicer.close()
     logger.info("shutdown complete")
 
 

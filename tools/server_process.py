@@ -53,7 +53,8 @@ class ServerProcess:
     `env` is added to the current environment (values override it; with `inherit_env=False` it
     replaces it) and the variables named in `unset` are removed from it; MODEL_NAME, GRPC_PORT
     and PORT are set from the arguments, and PYTHONPATH to the repository root. `python` defaults
-    to the running interpreter.
+    to the running interpreter. `grpc_port` / `http_port` default to free ports (give a used one
+    to test a server that must refuse it).
     """
 
     def __init__(
@@ -65,9 +66,13 @@ class ServerProcess:
         start_timeout_s: float = 180.0,
         unset: Sequence[str] = (),
         inherit_env: bool = True,
+        grpc_port: int | None = None,
+        http_port: int | None = None,
     ) -> None:
         self.model = str(model)
-        self.grpc_port, self.http_port = free_ports(2)
+        free_grpc, free_http = free_ports(2)
+        self.grpc_port = free_grpc if grpc_port is None else grpc_port
+        self.http_port = free_http if http_port is None else http_port
         self.extra_env = dict(env or {})
         self.unset = tuple(unset)
         self.inherit_env = inherit_env
@@ -117,15 +122,15 @@ class ServerProcess:
             time.sleep(0.2)
         return self
 
-    def run_to_exit(self) -> int:
+    def run_to_exit(self, watch_health: bool = True) -> int:
         """Start a server that is expected to refuse to start: wait for it to exit by itself and
         return its exit code (its output is in `log_text()`). Raises ServerStartError, after
-        stopping it, if it answers /health with 200 or is still running after
-        `start_timeout_s`."""
+        stopping it, if it answers /health with 200 (unless `watch_health` is False: when its
+        HTTP port is another server's) or is still running after `start_timeout_s`."""
         proc = self._spawn()
         deadline = time.monotonic() + self.start_timeout_s
         while proc.poll() is None:
-            if self.health() == 200 or time.monotonic() > deadline:
+            if (watch_health and self.health() == 200) or time.monotonic() > deadline:
                 self.stop()
                 raise ServerStartError(
                     f"server started instead of exiting by itself:\n{self.log_tail()}"
