@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, resolve_dtype
+from engine.models.llama import LlamaConfig
 from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.policy import SpeculationPolicy
@@ -35,7 +37,15 @@ def build_engine(
     """Load the model and assemble its engine. EOS ids are the model config's plus the
     tokenizer's. A `proposer` (any drafter, e.g. a test double) takes the place of the
     speculator `config.speculative` names; its tree shape and batch limit still apply.
-    Raises ValueError when the KV pool cannot hold one request of `config.max_model_len`."""
+    The speculator is read (and checked against the model's config) before the model's
+    weights load, so a bad speculator fails fast. Raises CheckpointError naming the
+    speculator's path, or ValueError when the KV pool cannot hold one request of
+    `config.max_model_len`."""
+    spec = config.speculative or SpeculativeConfig()
+    if proposer is None and spec.path is not None:
+        model_config = LlamaConfig.from_folder(Path(config.model_path))
+        dtype = resolve_dtype(config.dtype, model_config.torch_dtype, config.device)
+        proposer = _load_proposer(spec.path, spec, model_config, dtype, torch.device(config.device))
     runner = ModelRunner(config)
     max_model_len = config.max_model_len or runner.config.max_position_embeddings
     pool_tokens = runner.num_blocks * runner.block_size
@@ -53,9 +63,6 @@ def build_engine(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
     )
-    spec = config.speculative or SpeculativeConfig()
-    if proposer is None and spec.path is not None:
-        proposer = _load_proposer(spec.path, spec, runner)
     drafter = None
     if proposer is not None:
         policy = SpeculationPolicy(proposer.num_candidates) if spec.adaptive else None
@@ -65,13 +72,19 @@ def build_engine(
     )
 
 
-def _load_proposer(path: Path, spec: SpeculativeConfig, runner: ModelRunner) -> MLPProposer:
+def _load_proposer(
+    path: Path,
+    spec: SpeculativeConfig,
+    model_config: LlamaConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> MLPProposer:
     speculator = load_speculator(
         path,
-        hidden_size=runner.config.hidden_size,
-        vocab_size=runner.config.vocab_size,
-        dtype=runner.dtype,
-        device=runner.device,
+        hidden_size=model_config.hidden_size,
+        vocab_size=model_config.vocab_size,
+        dtype=dtype,
+        device=device,
         n_predict=spec.n_predict,
     )
     proposer = MLPProposer(

@@ -7,6 +7,7 @@ runs it on its own thread, handing it new and cancelled requests between steps.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,11 +21,13 @@ from engine.model_runner import ModelOutput, ModelRunner, SequenceInput
 from engine.request import Request
 from engine.sampling.params import SamplingParams
 from engine.sampling.prompt_logprobs import PromptLogprobs
-from engine.sampling.sampler import Sampler, TokenLogprobs
+from engine.sampling.sampler import Choices, Sampler, TokenLogprobs
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.tree import DraftTree
 from engine.spec_decode.verifier import Verification, accepted_slot_moves, walk_trees
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class EngineOutput(RequestOutput):
     draft_depth: int = 0
     """The longest path of the draft tree verified this step (0: no speculation); the request
     gained `num_accepted_tokens` of those drafts plus one token of its own."""
+    error: str | None = None
+    """Why the request finished with FinishReason.ERROR, when its own logits or token choice
+    failed this step."""
 
 
 @dataclass
@@ -59,6 +65,7 @@ class _Results:
     token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     draft_depths: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -70,6 +77,11 @@ class LLMEngine:
     longest draft path equal to its own choices plus one token, exactly the tokens it would have
     produced one by one (every per-token rule: min_new_tokens, penalties, logprobs, stops, is
     applied along the path). `observers` see every row a token is chosen from.
+
+    A request whose own logits are non-finite or whose token choice fails finishes with
+    FinishReason.ERROR and `EngineOutput.error`; the rest of the batch is unaffected. An
+    exception from `step()` itself (the shared forward pass) leaves the engine usable once the
+    caller aborts the requests of that step.
     """
 
     def __init__(
@@ -127,7 +139,10 @@ class LLMEngine:
         if sched.scheduled_requests:
             results = self._execute(sched, hidden_states)
             now = time.monotonic()
-            for out in self.scheduler.update_from_output(sched, results.token_ids, now):
+            updates = self.scheduler.update_from_output(
+                sched, results.token_ids, now, results.errors.keys()
+            )
+            for out in updates:
                 outputs.append(self._engine_output(out, results))
         for out in outputs:
             if out.finished:
@@ -138,9 +153,18 @@ class LLMEngine:
                 num_trees = len(sched.scheduled_spec_token_ids)
                 seconds = time.perf_counter() - start
                 self.drafter.observe_step(sched.total_num_scheduled_tokens, seconds, num_trees)
-            drafts = self.drafter.propose(self.scheduler, hidden_states)
-            self.scheduler.update_draft_token_ids(drafts)
+            self.scheduler.update_draft_token_ids(self._propose(hidden_states))
         return outputs
+
+    def _propose(self, hidden_states: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+        """The drafter's proposals; none this step when drafting fails (the requests go on
+        without speculation)."""
+        assert self.drafter is not None
+        try:
+            return self.drafter.propose(self.scheduler, hidden_states)
+        except (RuntimeError, ValueError) as e:
+            logger.warning("drafting failed, this step decodes without drafts: %s", e)
+            return {}
 
     def _engine_output(self, out: RequestOutput, results: _Results) -> EngineOutput:
         lps = results.logprobs.get(out.request_id)
@@ -153,6 +177,7 @@ class LLMEngine:
             None if lps is None else lps[: len(out.new_token_ids)],
             self.prompt_logprobs.pop(out.request_id) if out.new_token_ids else None,
             results.draft_depths.get(out.request_id, 0),
+            results.errors.get(out.request_id),
         )
 
     def _execute(
@@ -166,16 +191,29 @@ class LLMEngine:
         trees = self.drafter.take_trees() if self.drafter is not None else {}
         batch = self._build_batch(sched, trees)
         out = self.runner.execute(batch.inputs)
+        results = _Results()
         for req, row, positions in batch.prompt_rows:
             rows = out.logits[row : row + len(positions)]
-            self.prompt_logprobs.record(req, rows, positions)
-        results = _Results()
+            try:
+                self.prompt_logprobs.record(req, rows, positions)
+            except (RuntimeError, ValueError) as e:
+                results.errors[req.request_id] = str(e)
         if batch.sampling:
-            token_ids, details = self._choose(
+            choices = self._choose(
                 out, batch.sample_rows, batch.sampling, [[] for _ in batch.sampling]
             )
-            picked = zip(batch.sampling, batch.sample_rows, token_ids, details, strict=True)
-            for req, row, token, detail in picked:
+            picked = zip(
+                batch.sampling,
+                batch.sample_rows,
+                choices.token_ids,
+                choices.details,
+                choices.errors,
+                strict=True,
+            )
+            for req, row, token, detail, error in picked:
+                if error is not None:
+                    results.errors.setdefault(req.request_id, error)
+                    continue
                 results.token_ids[req.request_id] = [token]
                 if detail is not None:
                     results.logprobs[req.request_id] = [detail]
@@ -185,6 +223,9 @@ class LLMEngine:
             self.runner.copy_slots(*accepted_slot_moves(batch.verifying, self.kv))
             for v in batch.verifying:
                 request_id = v.request.request_id
+                if v.error is not None:
+                    results.errors[request_id] = v.error
+                    continue
                 results.token_ids[request_id] = v.token_ids
                 if v.request.sampling_params.logprobs:
                     results.logprobs[request_id] = [d for d in v.details if d is not None]
@@ -245,9 +286,9 @@ class LLMEngine:
         reqs: list[Request],
         emitted: list[list[int]],
         from_tree: bool = False,
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """One token for each of `rows` of the step's logits, for requests that already chose
-        `emitted[i]` this step; the observers see the rows first."""
+    ) -> Choices:
+        """One token (or an error) for each of `rows` of the step's logits, for requests that
+        already chose `emitted[i]` this step; the observers see the rows first."""
         index = torch.tensor(rows, dtype=torch.int64, device=out.logits.device)
         logits = out.logits.index_select(0, index)
         if self.observers:

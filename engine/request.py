@@ -73,6 +73,7 @@ class RequestStatus(IntEnum):
     FINISHED_TIME_LIMIT = 5  # the deadline passed, in the queue or in flight
     FINISHED_ABORTED = 6  # cancelled by the client
     FINISHED_IGNORED = 7  # never run: the prompt leaves no room for a token in max_model_len
+    FINISHED_ERROR = 8  # its own logits or token choice failed; the rest of its batch went on
 
     @property
     def is_finished(self) -> bool:
@@ -90,6 +91,7 @@ _FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_TIME_LIMIT: FinishReason.TIME_LIMIT,
     RequestStatus.FINISHED_ABORTED: FinishReason.CANCELLED,
     RequestStatus.FINISHED_IGNORED: FinishReason.ERROR,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 

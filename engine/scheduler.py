@@ -17,7 +17,7 @@ so a long prompt never stalls running streams. One step is always
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -207,6 +207,7 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         sampled_token_ids: Mapping[str, Sequence[int]],
         now: float,
+        failed_request_ids: Collection[str] = (),
     ) -> list[RequestOutput]:
         """Apply one step's model output and return, in schedule order, each request that got
         tokens or finished.
@@ -219,12 +220,18 @@ class Scheduler:
         order: deadline -> FINISHED_TIME_LIMIT; from `min_new_tokens` on, an EOS (unless
         ignore_eos) or stop token id -> FINISHED_STOPPED; `max_new_tokens` or the max model
         length -> FINISHED_LENGTH. Tokens after a stop are dropped; finished requests are freed.
+        A request in `failed_request_ids` (its token choice failed) finishes FINISHED_ERROR
+        without tokens; the others are unaffected.
         """
         outputs: list[RequestOutput] = []
         for req in scheduler_output.scheduled_requests:
             request_id = req.request_id
             if req.status != RequestStatus.RUNNING or request_id in self._abort_ids:
                 continue  # finished or aborted while the step was in flight
+            if request_id in failed_request_ids:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(RequestOutput(request_id, [], req.status))
+                continue
             computed_prompt = req.num_computed_tokens < req.num_prompt_tokens
             req.num_computed_tokens += scheduler_output.num_scheduled_tokens[request_id]
             if computed_prompt:  # this step computed prompt tokens: share their full blocks

@@ -201,6 +201,7 @@ class EngineWorker:
             sum(max(0, r.sampling_params.max_new_tokens - r.num_output_tokens) for r in running)
         )
         m.queue_size.set(scheduler.num_waiting)
+        m.observe_preemptions(scheduler.requests.values())
         m.kv_cache_blocks_used.set(self.engine.kv.num_used_blocks)
         hits = self.engine.kv.num_prefix_hit_tokens
         m.prefix_cache_hit_tokens.inc(hits - self._prefix_hit_tokens)

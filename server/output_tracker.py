@@ -88,7 +88,7 @@ class OutputTracker:
 
     def add(self, out: EngineOutput) -> list[OutputChunk]:
         if out.finish_reason == FinishReason.ERROR:
-            raise GenerationError("request could not be scheduled")
+            raise GenerationError(out.error or "request could not be scheduled")
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         chunks = []

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -15,6 +16,13 @@ from training.prompts import CHAT_PROMPTS
 NEAR_TIE = 1e-4
 PROMPT_LOGITS_ATOL = 1e-4  # the prompt's last position
 DECODE_LOGITS_ATOL = 1e-3  # later steps: fp32 rounding accumulates through the KV cache
+
+
+def require_model(path: Path) -> Path:
+    """`path`, a model folder `make models` prepares; fails the test when it is missing."""
+    if not (path / "config.json").is_file():
+        pytest.fail(f"{path} is missing: run `make models` first")
+    return path
 
 
 @cache

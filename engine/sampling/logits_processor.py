@@ -9,11 +9,17 @@ the result, and reports token details from the same processed scores.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from engine.sampling.params import SamplingParams
+
+MAX_SCORE = 1e30
+"""Bound on the magnitude of a score a penalty produces (length or repetition penalty): far
+above any logit, so the favoured token wins once a penalty grows that large, and low enough that
+division by any temperature TGIS allows (>= 0.05) stays finite in float32."""
 
 
 def process_eos(
@@ -24,7 +30,8 @@ def process_eos(
 ) -> torch.Tensor:  # [M, vocab]; `logits` itself when no rule applies
     """Before `min_new_tokens` (unless `ignore_eos`), every EOS score becomes -inf. Afterwards,
     with a length penalty (start, decay), once more than `start` tokens were generated, each
-    EOS score s becomes s + |s| * (decay ** (generated - start) - 1)."""
+    finite EOS score s becomes s + |s| * (decay ** (generated - start) - 1), computed in log
+    space and clamped to +-`MAX_SCORE`, so no start or decay can overflow."""
     suppressed = [
         i
         for i, p in enumerate(params)
@@ -46,10 +53,19 @@ def process_eos(
         logits[i, ids] = float("-inf")
     for i in penalised:
         start, decay = params[i].length_penalty  # type: ignore[misc]
-        for eos in sorted(eos_token_ids[i]):
-            score = logits[i, eos]
-            logits[i, eos] = score + score.abs() * (decay ** (num_generated[i] - start) - 1)
+        factor = _eos_factor(decay, num_generated[i] - start)
+        ids = torch.tensor(sorted(eos_token_ids[i]), device=logits.device)
+        scores = logits[i, ids].double()
+        penalised_scores = (scores + scores.abs() * (factor - 1)).clamp(-MAX_SCORE, MAX_SCORE)
+        logits[i, ids] = torch.where(scores.isfinite(), penalised_scores, scores).to(logits.dtype)
     return logits
+
+
+def _eos_factor(decay: float, exponent: int) -> float:
+    """decay ** exponent, at most 2 * MAX_SCORE (beyond it the clamp decides anyway)."""
+    if exponent * math.log(decay) >= math.log(2 * MAX_SCORE):
+        return 2 * MAX_SCORE
+    return float(decay**exponent)
 
 
 def process_logits(
@@ -57,13 +73,15 @@ def process_logits(
     p: SamplingParams,
     past_token_ids: Sequence[int],
 ) -> torch.Tensor:  # [vocab] float32 on CPU, -inf where filtered out
-    """One row's repetition penalty and (sampling only) temperature, top-k, top-p, typical-p."""
+    """One row's repetition penalty (scores clamped to +-`MAX_SCORE`) and, for sampling only,
+    temperature, top-k, top-p, typical-p."""
     scores = logits.float().cpu().clone()
     if p.repetition_penalty != 1.0 and past_token_ids:
         ids = torch.tensor(sorted(set(past_token_ids)), dtype=torch.int64)
         seen = scores[ids]
         rp = p.repetition_penalty
-        scores[ids] = torch.where(seen < 0, seen * rp, seen / rp)
+        penalised = torch.where(seen < 0, seen * rp, seen / rp)
+        scores[ids] = penalised.clamp(-MAX_SCORE, MAX_SCORE)
     if p.greedy:
         return scores
     scores = scores / p.temperature

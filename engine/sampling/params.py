@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -28,6 +29,14 @@ class SamplingParams:
     top_n_tokens: int = 0
 
     def __post_init__(self) -> None:
+        """ValueError on any value the logit rules cannot apply, non-finite floats included."""
+        for name in ("temperature", "top_p", "typical_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite")
+        if self.length_penalty is not None and not (
+            math.isfinite(self.length_penalty[1]) and self.length_penalty[1] > 0
+        ):
+            raise ValueError("length_penalty decay_factor must be finite and positive")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         if self.temperature < 0:

@@ -32,6 +32,10 @@ class PromptLogprobs:
         logits: torch.Tensor,  # [len(positions), vocab]: row i scores the token at positions[i]
         positions: list[int],
     ) -> None:
+        """Record the details of the prompt tokens at `positions` not yet recorded. ValueError
+        when a row holds NaN or +inf (the request cannot be given its details)."""
+        if bool((logits.isnan() | logits.isposinf()).any()):
+            raise ValueError("the model produced non-finite logits for this request's prompt")
         recorded = self._recorded.setdefault(req.request_id, [])
         top_n = req.sampling_params.top_n_tokens
         for row, position in enumerate(positions):

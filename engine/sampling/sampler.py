@@ -39,27 +39,59 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
+@dataclass
+class Choices:
+    """One step's choice for each of M rows: the token (-1 where it failed), its details when
+    the row's params ask for `logprobs`, and the error that failed the row (None when chosen)."""
+
+    token_ids: list[int]  # [M]
+    details: list[TokenLogprobs | None]  # [M]
+    errors: list[str | None]  # [M]
+
+
 def sample_with_details(
     logits: torch.Tensor,  # [M, vocab] float32
     params: Sequence[SamplingParams],  # [M]
     generators: Sequence[torch.Generator | None],  # [M]
     past_token_ids: Sequence[Sequence[int]],  # [M]: prompt + output ids, for repetition_penalty
-) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """One token per row, plus its details for rows whose params ask for `logprobs`."""
-    token_ids: list[int] = logits.argmax(dim=-1).tolist()
-    details: list[TokenLogprobs | None] = [None] * len(params)
+) -> Choices:
+    """One token per row, plus its details for rows whose params ask for `logprobs`. A row fails
+    alone, with an error and token -1, when its logits hold NaN or +inf or its own rules fail
+    (e.g. a draw from scores that are no longer a distribution); the other rows are unaffected."""
+    num_rows = len(params)
+    bad = logits.isnan().any(-1) | logits.isposinf().any(-1)  # [M]
+    token_ids, bad_rows = torch.stack([logits.argmax(dim=-1), bad.long()]).tolist()
+    choices = Choices(token_ids, [None] * num_rows, [None] * num_rows)
     for i, p in enumerate(params):
+        if bad_rows[i]:
+            choices.token_ids[i] = -1
+            choices.errors[i] = "the model produced non-finite logits for this request"
+            continue
         if p.greedy and p.repetition_penalty == 1.0 and not p.logprobs:
             continue
-        scores = process_logits(logits[i], p, past_token_ids[i])
-        if p.greedy:
-            token_ids[i] = int(scores.argmax().item())
-        else:
-            probs = scores.softmax(-1)
-            token_ids[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-        if p.logprobs:
-            details[i] = token_logprobs(scores, token_ids[i], p.top_n_tokens)
-    return token_ids, details
+        try:
+            choices.token_ids[i], choices.details[i] = _choose_row(
+                logits[i], p, generators[i], past_token_ids[i]
+            )
+        except (RuntimeError, ValueError, OverflowError) as e:
+            choices.token_ids[i] = -1
+            choices.errors[i] = f"token selection failed: {e}"
+    return choices
+
+
+def _choose_row(
+    logits: torch.Tensor,  # [vocab]
+    p: SamplingParams,
+    generator: torch.Generator | None,
+    past_token_ids: Sequence[int],
+) -> tuple[int, TokenLogprobs | None]:
+    scores = process_logits(logits, p, past_token_ids)
+    if p.greedy:
+        token_id = int(scores.argmax().item())
+    else:
+        probs = scores.softmax(-1)
+        token_id = int(torch.multinomial(probs, 1, generator=generator).item())
+    return token_id, token_logprobs(scores, token_id, p.top_n_tokens) if p.logprobs else None
 
 
 def token_logprobs(
@@ -106,9 +138,10 @@ class Sampler:
         logits: torch.Tensor,  # [M, vocab] raw
         reqs: Sequence[Request],  # [M]
         emitted: Sequence[Sequence[int]],  # [M]: tokens chosen for the row's request this step
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    ) -> Choices:
         """One token per row, as if the row's request already held `emitted[i]` after its own
-        tokens (a draft path being verified), plus its details when its params ask for them."""
+        tokens (a draft path being verified), plus its details when its params ask for them;
+        a row whose choice fails carries its error instead (see `sample_with_details`)."""
         params = [r.sampling_params for r in reqs]
         logits = process_eos(
             logits,

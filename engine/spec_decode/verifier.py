@@ -9,6 +9,7 @@ details), descends to the child holding that token while there is one, and choos
     bonus token      the choice at the last walked node, which no child holds
 
 so a request gains `len(path) + 1` tokens, exactly the tokens it would have produced one by one.
+A request whose choice fails stops its walk with `error` set and gains nothing.
 The accepted nodes' K/V were written at the tree's slots; `accepted_slot_moves` lists the copies
 that put them at consecutive sequence positions, where the scheduler's rollback expects them.
 """
@@ -20,20 +21,18 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
-from engine.sampling.sampler import TokenLogprobs
+from engine.sampling.sampler import Choices, TokenLogprobs
 from engine.spec_decode.tree import DraftTree
 
-ChooseFn = Callable[
-    [list[int], list[Request], list[list[int]]], tuple[list[int], list[TokenLogprobs | None]]
-]
-"""(logits rows, their requests, tokens already chosen for each this step) -> one token per row
-and its details (None unless the request asks for logprobs)."""
+ChooseFn = Callable[[list[int], list[Request], list[list[int]]], Choices]
+"""(logits rows, their requests, tokens already chosen for each this step) -> one token per row,
+its details (None unless the request asks for logprobs) and its error (None unless it failed)."""
 
 
 @dataclass
 class Verification:
     """A draft tree being verified: the request, its tree, the logits row of its root, and the
-    walk so far (`node`, the tokens chosen and their details)."""
+    walk so far (`node`, the tokens chosen and their details, or the error that ended it)."""
 
     request: Request
     tree: DraftTree
@@ -41,6 +40,7 @@ class Verification:
     node: int = 0
     token_ids: list[int] = field(default_factory=list)
     details: list[TokenLogprobs | None] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def last_row(self) -> int:
@@ -50,16 +50,20 @@ class Verification:
 
 def walk_trees(verifications: Sequence[Verification], choose: ChooseFn) -> None:
     """Walk every tree from its root, one depth per `choose` call over all trees still walking,
-    until each has chosen a token that no child of its node holds."""
+    until each has chosen a token that no child of its node holds, or failed."""
     active = list(verifications)
     while active:
-        token_ids, details = choose(
+        choices = choose(
             [v.last_row for v in active],
             [v.request for v in active],
             [v.token_ids for v in active],
         )
         still_active = []
-        for v, token, detail in zip(active, token_ids, details, strict=True):
+        picked = zip(active, choices.token_ids, choices.details, choices.errors, strict=True)
+        for v, token, detail, error in picked:
+            if error is not None:
+                v.error = error
+                continue
             v.token_ids.append(token)
             v.details.append(detail)
             child = v.tree.child(v.node, token)
@@ -74,10 +78,12 @@ def accepted_slot_moves(
 ) -> tuple[list[int], list[int]]:
     """(src, dst) cache slots: the K/V of each walked node not already at its depth's position
     moves there (node n was written at position `num_computed_tokens + n`, its depth d belongs
-    at `num_computed_tokens + d`)."""
+    at `num_computed_tokens + d`). Failed walks move nothing."""
     src: list[int] = []
     dst: list[int] = []
     for v in verifications:
+        if v.error is not None:
+            continue
         request_id = v.request.request_id
         start = v.request.num_computed_tokens
         for depth, node in enumerate(v.tree.path(v.node), 1):

@@ -22,6 +22,7 @@ from google.protobuf import json_format
 from engine.paths import model_path
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
+from tests.reference import require_model
 from tools.server_process import ServerProcess
 from training.prompts import CHAT_PROMPTS
 
@@ -30,8 +31,7 @@ TIMEOUT_S = 120.0
 
 
 def _server(tmp_path_factory: pytest.TempPathFactory, name: str, env: dict[str, str]) -> Any:
-    if not (model_path(MODEL) / "config.json").is_file():
-        pytest.fail(f"{model_path(MODEL)} is missing: run `make models` first")
+    require_model(model_path(MODEL))
     log = tmp_path_factory.mktemp(name) / "server.log"
     return ServerProcess(MODEL, {"OMP_NUM_THREADS": "1", **env}, log)
 

@@ -16,17 +16,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
 from google.protobuf import json_format
 
-from engine.paths import model_path
 from server.pb import generation_pb2 as pb
-from server.pb import generation_pb2_grpc
-from tools.server_process import ServerProcess, ServerStartError
+from tests.server.grpc_helpers import (
+    Server,
+    batch_request,
+    generate_texts,
+    running_server,
+    status_of,
+    stream_text,
+)
+from tools.server_process import ServerProcess
 from training.prompts import CHAT_PROMPTS
 
 MODEL = "tiny-llama-gqa-tied"
@@ -47,52 +52,11 @@ ENV = {
 INNOCENT = {"stopping": {"max_new_tokens": 20}}
 
 
-@dataclass
-class Server:
-    process: ServerProcess
-    channel: grpc.Channel
-    stub: generation_pb2_grpc.GenerationServiceStub
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    if not (model_path(MODEL) / "config.json").is_file():
-        pytest.fail(f"{model_path(MODEL)} is missing: run `make models` first")
     log = tmp_path_factory.mktemp("server") / "server.log"
-    process = ServerProcess(MODEL, ENV, log)
-    try:
-        process.start()
-    except ServerStartError as e:
-        pytest.fail(str(e))
-    channel = grpc.insecure_channel(process.grpc_target)
-    try:
-        yield Server(process, channel, generation_pb2_grpc.GenerationServiceStub(channel))
-    finally:
-        channel.close()
-        process.stop(stop_timeout_s=20)
-
-
-def batch_request(texts: list[str], params: dict[str, Any], **fields: Any) -> Any:
-    body = {"requests": [{"text": t} for t in texts], "params": params, **fields}
-    return json_format.ParseDict(body, pb.BatchedGenerationRequest())
-
-
-def generate_texts(server: Server, texts: list[str], params: dict[str, Any]) -> list[str]:
-    response = server.stub.Generate(batch_request(texts, params), timeout=60)
-    return [r.text for r in response.responses]
-
-
-def stream_text(server: Server, text: str, params: dict[str, Any]) -> str:
-    request = json_format.ParseDict(
-        {"request": {"text": text}, "params": params}, pb.SingleGenerationRequest()
-    )
-    return "".join(m.text for m in server.stub.GenerateStream(request, timeout=60))
-
-
-def status_of(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value.code(), str(info.value.details())
+    with running_server(MODEL, ENV, log) as server:
+        yield server
 
 
 SAMPLE = {"method": "SAMPLE"}

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from engine.paths import model_path
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
+from tests.reference import require_model
 from tools.server_process import ServerProcess
 from training.prompts import CHAT_PROMPTS
 
@@ -68,8 +69,7 @@ REFERENCE_METRICS = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    if not (model_path(MODEL) / "config.json").is_file():
-        pytest.fail(f"{model_path(MODEL)} is missing: run `make models` first")
+    require_model(model_path(MODEL))
     env = {"MAX_SEQUENCE_LENGTH": "256", "KV_CACHE_BLOCKS": "64", "OMP_NUM_THREADS": "1"}
     log = tmp_path_factory.mktemp("metrics") / "server.log"
     with ServerProcess(MODEL, env, log) as server:

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from engine.paths import model_path
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
-from tests.reference import compare_greedy, hf_greedy, hf_model
+from tests.reference import compare_greedy, hf_greedy, hf_model, require_model
 from tools.server_process import ServerProcess, ServerStartError
 from training.prompts import CHAT_PROMPTS
 
@@ -47,8 +47,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    if not (model_path(MODEL) / "config.json").is_file():
-        pytest.fail(f"{model_path(MODEL)} is missing: run `make models` first")
+    require_model(model_path(MODEL))
     env = {
         "KV_CACHE_BLOCKS": "64",
         "MAX_SEQUENCE_LENGTH": str(MAX_SEQ),

@@ -135,3 +135,18 @@ def test_mismatched_speculator_is_refused_at_startup(tmp_path: Path) -> None:
     assert "top_k_tokens_per_head [5, 3] must have n_predict (3) entries" in out
     out = _start_fails({"SPECULATOR_PATH": str(tmp_path / "missing")}, tmp_path)
     assert f"{tmp_path / 'missing'}: speculator path does not exist" in out
+    assert f"loaded {MODEL} (" not in out  # refused before the base model's weights load
+
+
+def test_model_without_tokenizer_is_refused_naming_its_folder(tmp_path: Path) -> None:
+    """A model folder holding config and weights but no tokenizer files."""
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for f in model_path(MODEL).iterdir():
+        if f.name == "config.json" or f.suffix == ".safetensors":
+            (folder / f.name).symlink_to(f)
+    server = ServerProcess(
+        folder, {"PATH": "/usr/bin:/bin"}, tmp_path / "refused.log", inherit_env=False
+    )
+    assert server.run_to_exit() != 0
+    assert f"{folder}: cannot load the tokenizer" in server.log_text()

@@ -29,6 +29,7 @@ from server.config import ServerConfig
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from server.tls import TLSConfigError, server_credentials
+from tests.reference import require_model
 from tools.server_process import ServerProcess, ServerStartError
 
 MODEL = "tiny-llama-gqa-tied"
@@ -129,8 +130,7 @@ def _server(log: Path, **extra: str) -> ServerProcess:
 
 
 def _start(log: Path, **extra: str) -> Iterator[ServerProcess]:
-    if not (model_path(MODEL) / "config.json").is_file():
-        pytest.fail(f"{model_path(MODEL)} is missing: run `make models` first")
+    require_model(model_path(MODEL))
     server = _server(log, **extra)
     try:
         server.start()

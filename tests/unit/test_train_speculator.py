@@ -13,6 +13,7 @@ import torch
 from engine.models.llama import LlamaConfig
 from engine.paths import model_path
 from engine.spec_decode.loader import load_speculator
+from tests.reference import require_model
 from training.data import TEACHER_TOP_K, AnswerSettings, DataBuilder, SpeculatorData
 from training.evaluate import evaluate_speculator
 from training.model import (
@@ -44,10 +45,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tiny() -> Path:
-    path = model_path(TINY)
-    if not (path / "config.json").is_file():
-        pytest.fail(f"{path} is missing: run `make models` first")
-    return path
+    return require_model(model_path(TINY))
 
 
 @pytest.fixture(scope="module")
