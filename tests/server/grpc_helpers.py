@@ -18,6 +18,7 @@ from google.protobuf import json_format
 from engine.paths import model_path
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
+from tests.reference import require_model
 from tools.server_process import ServerProcess, ServerStartError
 
 
@@ -32,8 +33,7 @@ class Server:
 def running_server(model: str, env: Mapping[str, str], log: Path) -> Iterator[Server]:
     """A started server on `model` with `env`, its output in `log`, and a channel to it; the
     test fails (not errors) when the model is not prepared or the server does not start."""
-    if not (model_path(model) / "config.json").is_file():
-        pytest.fail(f"{model_path(model)} is missing: run `make models` first")
+    require_model(model_path(model))
     process = ServerProcess(model, env, log)
     try:
         process.start()
