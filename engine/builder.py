@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import LLMEngine
+from engine.kv_sizing import check_pool
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.llama import LlamaConfig
 from engine.spec_decode.drafter import Drafter
@@ -48,13 +49,9 @@ def build_engine(
         proposer = _load_proposer(spec.path, spec, model_config, dtype, torch.device(config.device))
     runner = ModelRunner(config)
     max_model_len = config.max_model_len or runner.config.max_position_embeddings
-    pool_tokens = runner.num_blocks * runner.block_size
-    if config.max_model_len is not None and pool_tokens < max_model_len:
-        raise ValueError(
-            f"the KV cache ({runner.num_blocks} blocks of {runner.block_size} tokens) cannot hold "
-            f"one request of max_sequence_length {max_model_len}: raise kv_cache_blocks or "
-            "kv_cache_memory_mb, or lower max_sequence_length"
-        )
+    if config.max_model_len is not None:
+        how = runner.kv_pool_source
+        logger.info(check_pool(runner.num_blocks, runner.block_size, max_model_len, how))
     eos_token_ids = set(runner.config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos_token_ids.add(tokenizer.eos_token_id)

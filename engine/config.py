@@ -15,6 +15,11 @@ DTYPES = ("float32", "float16", "bfloat16")
 CANDIDATE_SELECTIONS = ("coverage", "joint")
 """How a proposer picks its candidate paths (see `MLPSpeculator.generate_candidates`)."""
 
+DEFAULT_MEMORY_FRACTION = 0.9
+"""Of a CUDA device's memory, what this process plans for (TGIS's CUDA_PROCESS_MEMORY_FRACTION):
+the rest absorbs what the profile step cannot see, such as allocator fragmentation as requests
+of many lengths come and go, CUDA graph pools and the sampler's per-step buffers."""
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -96,7 +101,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """KV pool size in blocks; default: `kv_cache_tokens` tokens, else `kv_cache_memory_mb`."""
     kv_cache_tokens: int | None = None
-    kv_cache_memory_mb: int = 512
+    kv_cache_memory_mb: int | None = None
+    """KV pool memory; default: on CPU 512 MiB, on CUDA sized from `memory_fraction`."""
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    """On CUDA, the share of the device's memory this process plans for (see `kv_sizing`)."""
     enable_prefix_caching: bool = True
     """Requests share the KV blocks of identical prompt prefixes."""
     cpu_kernels: bool = True
@@ -113,5 +121,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
-        if self.kv_cache_memory_mb < 1:
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
             raise ValueError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

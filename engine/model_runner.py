@@ -13,6 +13,7 @@ from engine.attention import AttentionBackend, AttentionMetadata, KVCache, selec
 from engine.config import DTYPES, EngineConfig
 from engine.kernels.autotune import select_kernels
 from engine.kernels.cpu import load_cpu_kernels
+from engine.kv_sizing import DeviceMemory, kv_block_bytes, kv_pool_blocks
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import load_weights
 
@@ -62,7 +63,8 @@ class ModelRunner:
     On CPU in float32 the model's glue and attention run as fused C kernels unless
     `config.cpu_kernels` is false (or no C compiler is found); the results are the same within
     float32 rounding. The pool holds `config.num_kv_blocks` blocks, else enough for
-    `config.kv_cache_tokens` tokens, else as many as `config.kv_cache_memory_mb` holds.
+    `config.kv_cache_tokens` tokens, else as many as `config.kv_cache_memory_mb` holds, else on
+    CUDA what `engine.kv_sizing` leaves after a profiled worst-case step (512 MiB on CPU).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -86,36 +88,66 @@ class ModelRunner:
                     for (k, n), plan in self.kernel_table.chosen.items()
                 ),
             )
+        self.kv_caches: list[KVCache] = []
+        self.num_blocks, self.kv_pool_source = self._num_kv_blocks(config)
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        logger.info(
+            "loaded %s (%s, %s, attention %s, %d KV blocks of %d from %s)",
+            self.model_path.name,
+            self.dtype,
+            self.device,
+            self.backend.name,
+            self.num_blocks,
+            self.block_size,
+            self.kv_pool_source,
+        )
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
         cfg = self.config
-        num_blocks = self._num_kv_blocks(config)
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.num_blocks = num_blocks
-        self.kv_caches: list[KVCache] = [
+        return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(cfg.num_layers)
         ]
-        logger.info(
-            "loaded %s (%s, %s, attention %s, %d KV blocks of %d)",
-            self.model_path.name,
-            self.dtype,
-            self.device,
-            self.backend.name,
-            num_blocks,
+
+    def _num_kv_blocks(self, config: EngineConfig) -> tuple[int, str]:
+        """The pool's size in blocks, and what set it (see `engine.kv_sizing`)."""
+        return kv_pool_blocks(
+            config,
+            kv_block_bytes(self.config, self.block_size, self.dtype),
             self.block_size,
+            lambda: self.profile_memory(config.max_num_batched_tokens),
+            on_cuda=self.device.type == "cuda",
         )
 
-    def _num_kv_blocks(self, config: EngineConfig) -> int:
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        if config.kv_cache_tokens is not None:
-            return math.ceil(config.kv_cache_tokens / self.block_size) + 1
-        cfg = self.config
-        block_bytes = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim
-        block_bytes *= self.dtype.itemsize
-        return max(2, config.kv_cache_memory_mb * 2**20 // block_bytes)
+    def profile_memory(self, num_tokens: int) -> DeviceMemory:
+        """On CUDA, run one worst-case step (one sequence of `num_tokens` new tokens, logits for
+        every row, as many as a step of draft trees can have) on a scratch KV pool, and measure
+        the device's memory: the peak excludes the scratch pool."""
+        device = self.device
+        num_blocks = math.ceil(num_tokens / self.block_size)
+        scratch_bytes = num_blocks * kv_block_bytes(self.config, self.block_size, self.dtype)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        self.kv_caches = self._allocate_kv_caches(num_blocks)
+        step = SequenceInput(
+            token_ids=[0] * num_tokens,
+            num_computed_tokens=0,
+            block_table=list(range(num_blocks)),
+            logits_indices=list(range(num_tokens)),
+        )
+        self.execute([step])
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        non_torch = total - free - torch.cuda.memory_reserved(device)
+        return DeviceMemory(total=total, peak_allocated=peak, non_torch=non_torch)
 
     def slot_mapping(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

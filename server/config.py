@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.config import CANDIDATE_SELECTIONS, DTYPES
+from engine.config import CANDIDATE_SELECTIONS, DEFAULT_MEMORY_FRACTION, DTYPES
 from engine.paths import default_model_path, model_path
 
 _FALSE_WORDS = frozenset({"", "n", "no", "f", "false", "off", "0"})
@@ -47,7 +47,6 @@ _IGNORED_LAUNCHER_FLAGS = (
     "--batch-safety-margin",
     "--max-batch-weight",
     "--max-prefill-weight",
-    "--cuda-process-memory-fraction",
 )
 """TGIS launcher flags (§2.4, §3.1) that are accepted for compatibility and have no effect."""
 
@@ -76,7 +75,8 @@ class ServerConfig:
     dtype: str | None = field(
         default=None,
         metadata=_meta(
-            "Weights/KV dtype: float32, float16 or bfloat16 (default float32 on CPU).",
+            "Weights/KV dtype: float32, float16 or bfloat16 (default: float32 on CPU; on CUDA "
+            "bfloat16 for a bfloat16 checkpoint, else float16).",
             env=("DTYPE_STR", "DTYPE"),
             flags=("--dtype-str",),
         ),
@@ -118,13 +118,25 @@ class ServerConfig:
     kv_cache_blocks: int | None = field(
         default=None,
         metadata=_meta(
-            "Number of KV cache blocks; default: sized from kv_cache_memory_mb.",
+            "Number of KV cache blocks; default: sized from kv_cache_memory_mb, else from "
+            "device memory.",
             env=("KV_CACHE_BLOCKS", "KV_CACHE_MANAGER_NUM_GPU_BLOCKS"),
         ),
     )
-    kv_cache_memory_mb: int = field(
-        default=512,
-        metadata=_meta("KV cache memory (MiB) when kv_cache_blocks is unset."),
+    kv_cache_memory_mb: int | None = field(
+        default=None,
+        metadata=_meta(
+            "KV cache memory (MiB) when kv_cache_blocks is unset; default: 512 on CPU, on CUDA "
+            "what cuda_process_memory_fraction leaves after the weights and a worst-case step."
+        ),
+    )
+    cuda_process_memory_fraction: float = field(
+        default=DEFAULT_MEMORY_FRACTION,
+        metadata=_meta(
+            "Share of the CUDA device's memory this server plans for, in (0, 1]; the KV pool "
+            "gets it minus the weights and a profiled worst-case step.",
+            flags=("-c",),
+        ),
     )
     grpc_port: int = field(
         default=8033, metadata=_meta("gRPC port (bound on 0.0.0.0).", flags=("-g",))
@@ -254,8 +266,13 @@ class ServerConfig:
             raise ValueError(f"max_response_bytes must be >= 1024, got {self.max_response_bytes}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 2:
             raise ValueError(f"kv_cache_blocks must be >= 2, got {self.kv_cache_blocks}")
-        if self.kv_cache_memory_mb < 1:
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
             raise ValueError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
+        if not 0 < self.cuda_process_memory_fraction <= 1:
+            raise ValueError(
+                "cuda_process_memory_fraction must be in (0, 1], got "
+                f"{self.cuda_process_memory_fraction}"
+            )
         for name in ("grpc_port", "port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")

@@ -136,6 +136,7 @@ def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfi
         max_model_len=max_sequence_length,
         num_kv_blocks=config.kv_cache_blocks,
         kv_cache_memory_mb=config.kv_cache_memory_mb,
+        memory_fraction=config.cuda_process_memory_fraction,
         enable_prefix_caching=config.prefix_caching,
         speculative=speculative,
     )
