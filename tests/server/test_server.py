@@ -26,8 +26,9 @@ from transformers import AutoTokenizer
 from engine.paths import model_path
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
-from tests.reference import compare_greedy, hf_greedy, hf_model, require_model
-from tools.server_process import ServerProcess, ServerStartError
+from tests.reference import compare_greedy, hf_greedy, hf_model
+from tests.server.grpc_helpers import running_server
+from tools.server_process import ServerProcess
 from training.prompts import CHAT_PROMPTS
 
 MODEL = "tiny-llama-gqa-tied"
@@ -47,7 +48,6 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    require_model(model_path(MODEL))
     env = {
         "KV_CACHE_BLOCKS": "64",
         "MAX_SEQUENCE_LENGTH": str(MAX_SEQ),
@@ -58,17 +58,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "OMP_NUM_THREADS": "1",
     }
     log = tmp_path_factory.mktemp("server") / "server.log"
-    process = ServerProcess(MODEL, env, log)
-    try:
-        process.start()
-    except ServerStartError as e:
-        pytest.fail(str(e))
-    channel = grpc.insecure_channel(process.grpc_target)
-    try:
-        yield Server(process, generation_pb2_grpc.GenerationServiceStub(channel))
-    finally:
-        channel.close()
-        process.stop(stop_timeout_s=20)
+    with running_server(MODEL, env, log) as running:
+        yield Server(running.process, running.stub)
 
 
 @pytest.fixture(scope="module")
