@@ -1,0 +1,88 @@
+"""Every tensor a step builds lives on the model's device (issue 17).
+
+A second device stands in for CUDA: the model runs on `meta` under FakeTensorMode, whose device
+propagation fails any op that mixes a `meta` tensor with a CPU tensor of more than one element,
+as CUDA does (an `index_select` of CUDA logits with a CPU index, say). Fake tensors carry no
+values, so a step runs up to its first device-to-host copy, which raises
+DataDependentOutputException: everything before it kept to the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+from engine.config import EngineConfig, SchedulerConfig
+from engine.core import LLMEngine
+from engine.model_runner import ModelRunner, SequenceInput
+from engine.paths import model_path
+from engine.sampling.params import SamplingParams
+from engine.spec_decode.tree import DraftTree
+from tests.reference import require_model
+
+MODEL = "tiny-llama-gqa-tied"
+
+
+@pytest.fixture
+def fake_device() -> Iterator[None]:
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModelRunner]:
+    """The model on `meta` (its weights read and dropped), run under FakeTensorMode. Steps run
+    under no_grad instead of inference_mode, in which FakeTensorMode cannot create tensors."""
+    execute = torch.no_grad()(ModelRunner.execute.__wrapped__)  # type: ignore[attr-defined]
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    path: Path = require_model(model_path(MODEL))
+    runner = ModelRunner(EngineConfig(path, dtype="float16", device="meta", num_kv_blocks=32))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield runner
+
+
+def test_cpu_index_on_device_logits_is_caught(fake_device: None) -> None:
+    """The stand-in catches the crash it exists for."""
+    logits = torch.zeros(4, 8, device="meta")
+    with pytest.raises(RuntimeError, match="found at least two devices"):
+        logits.index_select(0, torch.tensor([0, 2]))
+
+
+def test_mixed_step_stays_on_device(runner: ModelRunner) -> None:
+    """A prefill chunk after cached context, a decode row and a draft tree in one step; then
+    the accepted nodes' K/V moves."""
+    tree = DraftTree.from_paths([[5, 6, 7], [5, 8], [9]])
+    steps = [
+        SequenceInput(list(range(20, 40)), 16, [0, 1, 2], logits_indices=[3, 19]),
+        SequenceInput([11], 7, [3]),
+        SequenceInput(
+            token_ids=[12, *tree.token_ids],
+            num_computed_tokens=30,
+            block_table=[4, 5, 6],
+            positions=[30 + d for d in tree.depths],
+            tree_mask=tree.attention_mask(),
+            logits_indices=list(range(len(tree.depths))),
+        ),
+    ]
+    out = runner.execute(steps)
+    assert out.logits.device.type == "meta"
+    assert out.logits.shape[0] == 2 + 1 + len(tree.depths)
+    runner.copy_slots([64 + 1, 64 + 2], [64 + 3, 64 + 4])
+
+
+def test_engine_step_reaches_its_host_copy_on_device(runner: ModelRunner) -> None:
+    """Scheduling, inputs, the forward pass, the logits rows a step samples and the logit
+    rules all keep to the device until the sampled ids are copied to the host."""
+    engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=4), frozenset({2}))
+    engine.add_request("greedy", list(range(10, 30)), SamplingParams(max_new_tokens=4))
+    engine.add_request(
+        "penalised",
+        list(range(40, 45)),
+        SamplingParams(max_new_tokens=4, min_new_tokens=2, length_penalty=(0, 1.5)),
+    )
+    with pytest.raises(DataDependentOutputException):
+        engine.step()
