@@ -260,3 +260,29 @@ def test_prefix_cache_hits_are_counted(server: ServerProcess) -> None:
     assert num_tokens > 32
     assert hits - before["tgi_prefix_cache_hit_tokens_total"] == (num_tokens - 1) // 16 * 16
     assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+
+
+def test_preemptions_are_counted(server: ServerProcess) -> None:
+    """Eight 200-token requests need about 104 blocks of the pool's 64: running requests are
+    preempted and recomputed. Each output still equals its solo output, the KV pool empties,
+    and tgi_request_preemptions counts them."""
+    batch = json_format.ParseDict(
+        {
+            "requests": [{"text": text} for text in CHAT_PROMPTS[:8]],
+            "params": {"stopping": {"max_new_tokens": 200, "min_new_tokens": 200}},
+        },
+        pb.BatchedGenerationRequest(),
+    )
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        solo = []
+        for request in batch.requests:
+            single = pb.BatchedGenerationRequest(requests=[request], params=batch.params)
+            solo.append(stub.Generate(single).responses[0].text)
+        before = samples(server)["tgi_request_preemptions_total"]
+        together = [r.text for r in stub.Generate(batch).responses]
+    after = samples(server)
+    assert together == solo
+    assert after["tgi_request_preemptions_total"] > before
+    assert after["tgi_request_preemptions"] == after["tgi_request_preemptions_total"]
+    assert after["tgi_kv_cache_blocks_used"] == 0
