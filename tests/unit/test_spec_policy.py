@@ -4,16 +4,20 @@ changing any token."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from engine.core import LLMEngine
+from engine.model_runner import ModelOutput, SequenceInput
 from engine.paths import model_path
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.policy import SpeculationPolicy
-from engine.spec_decode.proposer import MLPProposer
+from engine.spec_decode.proposer import MLPProposer, ProposalInput, Proposer
 from engine.spec_decode.tree import DraftTree
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
 from tests.spec_double import ScriptedProposer
@@ -150,17 +154,52 @@ def test_plain_steps_do_not_price_trees() -> None:
     assert policy.choose(0, 2) == 0  # 2 tokens / 11 ms beats 6 tokens / 100 ms
 
 
-def test_engine_stops_speculating_when_drafts_never_pay(tmp_path: Path) -> None:
+class StepClock:
+    """The engine's and drafter's `time`, whose perf_counter advances only by a cost model of
+    the runner's steps (10 ms + 0.1 ms per token fed, like a model whose weights dominate) and
+    1 ms per drafting, so the policy's choices do not depend on the host's load."""
+
+    def __init__(self, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 0.0
+        self.monotonic = time.monotonic
+        execute = engine.runner.execute
+
+        def timed_execute(seqs: list[SequenceInput]) -> ModelOutput:
+            self.now += 0.010 + 0.0001 * sum(len(s.token_ids) for s in seqs)
+            return execute(seqs)
+
+        monkeypatch.setattr(engine.runner, "execute", timed_execute)
+        monkeypatch.setattr("engine.core.time", self)
+        monkeypatch.setattr("engine.spec_decode.drafter.time", self)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def drafting(self, proposer: Proposer) -> Proposer:
+        propose = proposer.propose
+
+        def timed_propose(inputs: Sequence[ProposalInput]) -> list[DraftTree]:
+            self.now += 0.001
+            return propose(inputs)
+
+        proposer.propose = timed_propose  # type: ignore[method-assign]
+        return proposer
+
+
+def test_engine_stops_speculating_when_drafts_never_pay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = model_path("tiny-llama-gqa-tied")
     spec = write_tiny_speculator(tmp_path / "spec", path, n_predict=3)
     engine = make_engine(path)
+    clock = StepClock(engine, monkeypatch)
     cfg = engine.runner.config
     speculator = load_speculator(
         spec, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, dtype=engine.runner.dtype,
         device="cpu",
     )  # fmt: skip
     policy = SpeculationPolicy(5, refresh_every=1000)
-    engine.drafter = Drafter(MLPProposer(speculator, (5, 3, 2), 5), policy, 16)
+    engine.drafter = Drafter(clock.drafting(MLPProposer(speculator, (5, 3, 2), 5)), policy, 16)
     prompt = list(chat_prompt_ids(path)[0])
     result = run(engine, [prompt], SamplingParams(max_new_tokens=64))
     compare_greedy(result.token_ids["0"], hf_greedy(path, tuple(prompt), 64))
@@ -169,13 +208,14 @@ def test_engine_stops_speculating_when_drafts_never_pay(tmp_path: Path) -> None:
     assert sum(d > 0 for d in depths[-20:]) <= 2  # then (nearly) never again: random drafts
 
 
-def test_engine_keeps_speculating_when_drafts_pay() -> None:
+def test_engine_keeps_speculating_when_drafts_pay(monkeypatch: pytest.MonkeyPatch) -> None:
     path = model_path("tiny-llama-gqa-tied")
     prompt = list(chat_prompt_ids(path)[1])
     ref = hf_greedy(path, tuple(prompt), 64)
     double = ScriptedProposer([prompt + ref.token_ids], accept_lengths=[4], num_heads=4)
     engine = make_engine(path)
-    engine.drafter = Drafter(double, SpeculationPolicy(1), 16)
+    clock = StepClock(engine, monkeypatch)
+    engine.drafter = Drafter(clock.drafting(double), SpeculationPolicy(1), 16)
     result = run(engine, [prompt], SamplingParams(max_new_tokens=64))
     compare_greedy(result.token_ids["0"], ref)
     assert len(result.outputs["0"]) <= 64 // 5 + 4
