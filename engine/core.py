@@ -100,7 +100,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.drafter = drafter
         self.observers: list[TokenObserver] = []
-        self.sampler = Sampler()
+        self.sampler = Sampler(runner.device)
         self.prompt_logprobs = PromptLogprobs()
 
     def add_request(

@@ -72,12 +72,12 @@ def process_logits(
     logits: torch.Tensor,  # [vocab]
     p: SamplingParams,
     past_token_ids: Sequence[int],
-) -> torch.Tensor:  # [vocab] float32 on CPU, -inf where filtered out
+) -> torch.Tensor:  # [vocab] float32 on the logits' device, -inf where filtered out
     """One row's repetition penalty (scores clamped to +-`MAX_SCORE`) and, for sampling only,
     temperature, top-k, top-p, typical-p."""
-    scores = logits.float().cpu().clone()
+    scores = logits.float().clone()
     if p.repetition_penalty != 1.0 and past_token_ids:
-        ids = torch.tensor(sorted(set(past_token_ids)), dtype=torch.int64)
+        ids = torch.tensor(sorted(set(past_token_ids)), dtype=torch.int64, device=scores.device)
         seen = scores[ids]
         rp = p.repetition_penalty
         penalised = torch.where(seen < 0, seen * rp, seen / rp)

@@ -41,7 +41,7 @@ class PromptLogprobs:
         for row, position in enumerate(positions):
             if position == len(recorded) + 1:
                 token = req.prompt_token_ids[position]
-                recorded.append(token_logprobs(logits[row].float().cpu(), token, top_n))
+                recorded.append(token_logprobs(logits[row].float(), token, top_n))
 
     def pop(self, request_id: str) -> list[TokenLogprobs] | None:
         """The request's details, once; None when none were recorded."""

@@ -27,11 +27,14 @@ class TokenLogprobs:
     top_logprobs: tuple[float, ...] = ()
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A per-request generator, so a seeded request samples the same tokens in any batch."""
+def make_generator(
+    params: SamplingParams, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """A per-request generator on the logits' device, so a seeded request samples the same
+    tokens in any batch."""
     if params.greedy:
         return None
-    g = torch.Generator()
+    g = torch.Generator(device=device)
     if params.seed is None:
         g.seed()
     else:
@@ -124,11 +127,13 @@ class Sampler:
     then argmax or a draw from the request's own seeded generator, so a seeded request samples
     the same tokens in any batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        """`device`: where the logits rows are (the model's device)."""
+        self.device = device
         self._generators: dict[str, torch.Generator | None] = {}
 
     def add_request(self, request_id: str, params: SamplingParams) -> None:
-        self._generators[request_id] = make_generator(params)
+        self._generators[request_id] = make_generator(params, self.device)
 
     def remove_request(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
