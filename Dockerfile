@@ -2,7 +2,9 @@
 #
 # specserve images (README "Docker").
 #
-#   docker build -t specserve .                   default target `cuda`: CUDA torch + flash-attn
+#   docker build -t specserve .                   default target `cuda`: CUDA torch and Triton
+#   docker build --build-arg WITH_FLASH_ATTN=1 -t specserve:flash .
+#                                                 ... plus flash-attn, compiled from source (hours)
 #   docker build --target cpu -t specserve:cpu .  CPU torch, the default model (SmolLM2) baked in
 #
 # Stages: cpu-builder -> cpu-models -> cpu, and cuda-builder -> cuda (last, so the default).
@@ -81,10 +83,13 @@ CMD ["specserve"]
 # ----------------------------------------------------------------------------------------- CUDA
 
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS cuda-builder
+ARG CUDA_VERSION
 ARG TORCH_VERSION
 ARG FLASH_ATTN_VERSION
-# flash-attn compiles for these SM architectures (80: A100, 90: H100/H200; add 100 and 120 for
-# Blackwell); each nvcc job can take ~8 GiB of memory.
+# flash-attn is optional (attention runs on the Triton kernel without it) and has no wheels:
+# WITH_FLASH_ATTN=1 compiles it for these SM architectures (80: A100, 90: H100/H200; add 100
+# and 120 for Blackwell); each nvcc job can take ~8 GiB of memory.
+ARG WITH_FLASH_ATTN=0
 ARG FLASH_ATTN_CUDA_ARCHS="80;90"
 ARG MAX_JOBS=4
 ARG DEBIAN_FRONTEND=noninteractive
@@ -96,15 +101,19 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-dev python3-venv g++ \
     && rm -rf /var/lib/apt/lists/*
-# torch from PyPI is the CUDA 13.0 build (its CUDA runtime libraries come as wheels); nvcc of
-# this image's toolkit compiles flash-attn against it (or its matching prebuilt wheel is used).
+# torch from PyPI is the CUDA 13 build, the base image's CUDA major (its CUDA runtime libraries
+# and Triton come as wheels); with WITH_FLASH_ATTN=1, nvcc of this image's toolkit compiles
+# flash-attn against it.
 RUN python3 -m venv /opt/specserve \
     && pip install "torch==${TORCH_VERSION}" \
-        "setuptools==80.9.0" "wheel==0.45.1" "packaging==26.4" "psutil==7.2.2" \
-        "ninja==1.13.2" "einops==0.8.2"
-RUN FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}" MAX_JOBS="${MAX_JOBS}" \
-        pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}" \
-    && python -c "import importlib.metadata as m, torch; print('flash-attn', m.version('flash-attn'), 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+    && python -c "import torch, triton; assert torch.version.cuda.split('.')[0] == '${CUDA_VERSION}'.split('.')[0], torch.version.cuda; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+RUN if [ "${WITH_FLASH_ATTN}" = "1" ]; then \
+        pip install "setuptools==80.9.0" "wheel==0.45.1" "packaging==26.4" "psutil==7.2.2" \
+            "ninja==1.13.2" "einops==0.8.2" \
+        && FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}" MAX_JOBS="${MAX_JOBS}" \
+            pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}" \
+        && python -c "import importlib.metadata as m; print('flash-attn', m.version('flash-attn'))"; \
+    fi
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto/ proto/
@@ -121,9 +130,11 @@ LABEL org.opencontainers.image.title="specserve" \
       org.opencontainers.image.description="TGIS-compatible gRPC LLM inference server (CUDA)" \
       org.opencontainers.image.licenses="Apache-2.0"
 ARG DEBIAN_FRONTEND=noninteractive
+# Triton compiles its kernel launchers with the C compiler against Python's headers on first
+# use.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 \
+    && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 2000 --gid 0 --create-home --home-dir /home/specserve \
         --shell /usr/sbin/nologin specserve \

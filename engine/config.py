@@ -107,6 +107,9 @@ class EngineConfig:
     """On CUDA, the share of the device's memory this process plans for (see `kv_sizing`)."""
     enable_prefix_caching: bool = True
     """Requests share the KV blocks of identical prompt prefixes."""
+    flash_attention: bool = False
+    """On CUDA in fp16/bf16 with flash-attn installed, run steps without draft trees on its
+    paged kernel (blocks of 256 tokens); otherwise every step runs on the Triton kernel."""
     cpu_kernels: bool = True
     """On CPU in float32, run the model's glue and attention as fused C kernels (when a C
     compiler is found); False keeps the same maths as ATen ops."""

@@ -74,7 +74,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.config.torch_dtype, config.device)
         fused = config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32
         kernels = load_cpu_kernels() if fused else None
-        self.backend: AttentionBackend = select_backend(config.device, config.block_size, kernels)
+        self.backend: AttentionBackend = select_backend(
+            config.device, config.block_size, kernels, self.dtype, config.flash_attention
+        )
         self.block_size = self.backend.block_size
         self.model = LlamaModel(self.config, self.backend, self.dtype, self.device, kernels)
         load_weights(self.model, self.model_path)

@@ -165,7 +165,8 @@ class ServerConfig:
         default=False,
         metadata=_meta(
             "TGIS switch (true/false), accepted and validated: attention always runs on the "
-            "paged KV cache, with flash-attn's kernel on CUDA when it is installed."
+            "paged KV cache, on the Triton kernel on CUDA; true: flash-attn's kernel for steps "
+            "without draft trees, when it is installed and the dtype is float16 or bfloat16."
         ),
     )
     paged_attention: bool = field(

@@ -137,6 +137,7 @@ def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfi
         num_kv_blocks=config.kv_cache_blocks,
         kv_cache_memory_mb=config.kv_cache_memory_mb,
         memory_fraction=config.cuda_process_memory_fraction,
+        flash_attention=config.flash_attention,
         enable_prefix_caching=config.prefix_caching,
         speculative=speculative,
     )

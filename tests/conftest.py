@@ -1,5 +1,12 @@
 from __future__ import annotations
 
+import os
+
+# Triton reads TRITON_INTERPRET when it is first imported, which happens here already
+# (transformers imports torch._dynamo, which imports triton): without a GPU its kernels run on
+# CPU tensors in the interpreter. Set TRITON_INTERPRET=0 to run them compiled on CUDA.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pathlib import Path
 
 import pytest

@@ -8,6 +8,8 @@ in kernels and preferred block size.
 
 from __future__ import annotations
 
+import torch
+
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
@@ -22,19 +24,36 @@ __all__ = [
 
 
 def select_backend(
-    device: str, block_size: int | None = None, kernels: CpuKernels | None = None
+    device: str,
+    block_size: int | None = None,
+    kernels: CpuKernels | None = None,
+    dtype: torch.dtype | None = None,
+    flash_attention: bool = False,
 ) -> AttentionBackend:
-    """flash-attn's paged kernel on CUDA when installed; the fused C kernel on CPU when `kernels`
-    are given; else the torch (SDPA) backend."""
+    """The attention backend for a device, its cache dtype and block size (None: its default).
+
+    CPU: the fused C kernel when `kernels` are given, else the torch (SDPA) backend.
+    CUDA: the Triton kernel (any dtype and block size); the torch backend only where triton is
+    missing. With `flash_attention`, fp16/bf16 and flash-attn installed: flash-attn's paged
+    kernel for steps without draft trees (blocks of a multiple of 256 tokens), the Triton
+    kernel for the others.
+    """
     if kernels is not None and device == "cpu":
         from engine.attention.cpu_backend import CpuAttentionBackend
 
         return CpuAttentionBackend(kernels, block_size or 16)
-    if device.startswith("cuda"):
+    if not device.startswith("cuda"):
+        return TorchAttentionBackend(block_size or 16)
+    half = dtype in (torch.float16, torch.bfloat16)
+    if flash_attention and half and (block_size is None or block_size % 256 == 0):
         try:
             from engine.attention.flash_backend import FlashAttentionBackend
         except ImportError:
             pass
         else:
             return FlashAttentionBackend(block_size)
-    return TorchAttentionBackend(block_size or 16)
+    try:
+        from engine.attention.triton_backend import TritonBackend
+    except ImportError:
+        return TorchAttentionBackend(block_size or 16)
+    return TritonBackend(block_size)

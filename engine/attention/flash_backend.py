@@ -1,8 +1,8 @@
 """CUDA backend on flash-attn's paged varlen kernel.
 
 The kernel reads the paged cache directly but needs blocks of a multiple of 256 tokens and takes
-no custom mask, so steps that carry a draft tree run through the torch backend instead (it works on
-CUDA tensors and any block size).
+no custom mask, so steps that carry a draft tree run on the Triton kernel instead (the torch
+backend where triton is missing).
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ class FlashAttentionBackend(AttentionBackend):
                 f"flash-attn's paged kernel needs a block size multiple of 256, "
                 f"got {self.block_size}"
             )
-        self._fallback = TorchAttentionBackend(self.block_size)
+        self._fallback: AttentionBackend
+        try:
+            from engine.attention.triton_backend import TritonBackend
+        except ImportError:
+            self._fallback = TorchAttentionBackend(self.block_size)
+        else:
+            self._fallback = TritonBackend(self.block_size)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         if metadata.has_tree:
