@@ -151,6 +151,21 @@ class ModelRunner:
         non_torch = total - free - torch.cuda.memory_reserved(device)
         return DeviceMemory(total=total, peak_allocated=peak, non_torch=non_torch)
 
+    def _to_device(self, *arrays: list[int]) -> list[torch.Tensor]:
+        """The int lists as int64 views of one device tensor, made by one host-to-device copy
+        (from pinned memory and asynchronous on CUDA)."""
+        flat = torch.tensor([x for a in arrays for x in a], dtype=torch.int64)
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        else:
+            flat = flat.to(self.device)
+        views = []
+        start = 0
+        for a in arrays:
+            views.append(flat[start : start + len(a)])
+            start += len(a)
+        return views
+
     def slot_mapping(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -160,8 +175,7 @@ class ModelRunner:
         nodes to their sequence positions). All reads happen before any write."""
         if not src:
             return
-        src_index = torch.tensor(src, dtype=torch.int64, device=self.device)
-        dst_index = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        src_index, dst_index = self._to_device(src, dst)
         for cache in (c for layer in self.kv_caches for c in layer):
             flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
             flat.index_copy_(0, dst_index, flat.index_select(0, src_index))
@@ -184,27 +198,24 @@ class ModelRunner:
             rows += [offset + j for j in picked]
             num_rows.append(len(picked))
         max_blocks = max(len(s.block_table) for s in seqs)
-        device = self.device
+        block_tables = [
+            b for s in seqs for b in s.block_table + [0] * (max_blocks - len(s.block_table))
+        ]
+        all_rows = len(rows) == len(input_ids) and rows == list(range(len(rows)))
+        ids_d, positions_d, slots_d, tables_d, rows_d = self._to_device(
+            input_ids, positions, slots, block_tables, [] if all_rows else rows
+        )
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            slot_mapping=slots_d,
             query_lens=[len(s.token_ids) for s in seqs],
             seq_lens=[s.num_computed_tokens + len(s.token_ids) for s in seqs],
-            block_tables=torch.tensor(
-                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
-                dtype=torch.int32,
-                device=device,
-            ),
+            block_tables=tables_d.view(len(seqs), max_blocks).int(),
             max_position=max(positions),
             tree_masks=[s.tree_mask for s in seqs],
         )
         self.backend.prepare(metadata)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            self.kv_caches,
-            metadata,
-        )
-        if len(rows) != hidden.shape[0] or rows != list(range(len(rows))):
-            hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=device)]
+        hidden = self.model(ids_d, positions_d, self.kv_caches, metadata)
+        if not all_rows:
+            hidden = hidden.index_select(0, rows_d)
         logits = self.model.compute_logits(hidden).float()
         return ModelOutput(logits=logits, hidden_states=hidden, num_rows=num_rows)
