@@ -100,6 +100,10 @@ bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/
 bench-spec-onoff: models ## Speculation on vs off in one engine, alternating 2.5 s windows, 1/4/16/32 clients (SPECULATOR=PATH, default: make speculator's)
 	$(PY) -m bench.spec_onoff --speculator $(or $(SPECULATOR),$(DEFAULT_SPECULATOR))
 
+.PHONY: gpu-check
+gpu-check: ## Prove the CUDA path in one run (<8 min) with the system python3, no venv; GPU_CHECK_ARGS="--device cpu --small" dry-runs it
+	$(PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
 .PHONY: clean
 clean: ## Remove the virtual environment and caches (not $SPECSERVE_HOME)
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
