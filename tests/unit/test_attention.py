@@ -57,9 +57,10 @@ def dense_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
 
-def random_tree_mask(n: int, rng: random.Random) -> torch.Tensor:
-    """Ancestor mask of a random tree rooted at token 0 (parents precede children)."""
-    parents = [-1] + [rng.randrange(j) for j in range(1, n)]
+def tree_from_parents(parents: list[int]) -> torch.Tensor:
+    """Ancestor mask (each node sees itself and its ancestors) of a tree given by each node's
+    parent index, -1 for the root; parents precede children."""
+    n = len(parents)
     mask = torch.zeros(n, n, dtype=torch.bool)
     for j in range(n):
         a = j
@@ -67,6 +68,11 @@ def random_tree_mask(n: int, rng: random.Random) -> torch.Tensor:
             mask[j, a] = True
             a = parents[a]
     return mask
+
+
+def random_tree_mask(n: int, rng: random.Random) -> torch.Tensor:
+    """Ancestor mask of a random tree rooted at token 0 (parents precede children)."""
+    return tree_from_parents([-1] + [rng.randrange(j) for j in range(1, n)])
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

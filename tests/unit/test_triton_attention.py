@@ -21,6 +21,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from engine.attention import AttentionMetadata, TorchAttentionBackend, select_backend
 from engine.attention.triton_backend import TritonBackend
+from tests.unit.test_attention import tree_from_parents
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if isinstance(tl.zeros, InterpretedFunction) is not INTERPRETED:
@@ -37,19 +38,6 @@ SHAPE_IDS = ["x".join(map(str, s)) for s in HEAD_SHAPES]
 def chain(n: int) -> torch.Tensor:
     """A draft chain: the tree mask that equals causal attention."""
     return torch.ones(n, n, dtype=torch.bool).tril()
-
-
-def tree_from_parents(parents: list[int]) -> torch.Tensor:
-    """Ancestor mask (each node sees itself and its ancestors) of a tree given by each node's
-    parent index, -1 for the root; parents precede children."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for j in range(n):
-        a = j
-        while a != -1:
-            mask[j, a] = True
-            a = parents[a]
-    return mask
 
 
 def widths_tree(widths: list[int]) -> torch.Tensor:
