@@ -93,6 +93,8 @@ def _choose_row(
         token_id = int(scores.argmax().item())
     else:
         probs = scores.softmax(-1)
+        if not bool(probs.isfinite().all()):  # on CUDA, multinomial would assert on the device
+            raise ValueError("the processed scores are not a probability distribution")
         token_id = int(torch.multinomial(probs, 1, generator=generator).item())
     return token_id, token_logprobs(scores, token_id, p.top_n_tokens) if p.logprobs else None
 

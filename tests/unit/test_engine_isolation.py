@@ -113,7 +113,9 @@ def test_failed_draw_fails_one_request(path: Path) -> None:
     )
     assert outs["bad"].finish_reason == FinishReason.ERROR
     assert outs["bad"].new_token_ids == []
-    assert outs["bad"].error is not None and outs["bad"].error.startswith("token selection failed")
+    assert outs["bad"].error == (
+        "token selection failed: the processed scores are not a probability distribution"
+    )
     compare_greedy(outs["greedy"].new_token_ids, hf_greedy(path, tuple(prompts[1]), MAX_NEW))
     assert outs["sampled"].new_token_ids == alone
 
