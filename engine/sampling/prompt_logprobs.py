@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
-from engine.sampling.sampler import TokenLogprobs, token_logprobs
+from engine.sampling.sampler import TokenLogprobs, detail_tensor, details_of
 
 
 class PromptLogprobs:
@@ -38,10 +38,15 @@ class PromptLogprobs:
             raise ValueError("the model produced non-finite logits for this request's prompt")
         recorded = self._recorded.setdefault(req.request_id, [])
         top_n = req.sampling_params.top_n_tokens
+        new: list[tuple[int, int]] = []  # (row, the prompt token it scores), in prompt order
         for row, position in enumerate(positions):
-            if position == len(recorded) + 1:
-                token = req.prompt_token_ids[position]
-                recorded.append(token_logprobs(logits[row].float(), token, top_n))
+            if position == len(recorded) + len(new) + 1:
+                new.append((row, req.prompt_token_ids[position]))
+        if not new:
+            return
+        details = [detail_tensor(logits[row].float(), token, top_n) for row, token in new]
+        flat = torch.stack(details).tolist()  # one copy to the host
+        recorded += [details_of(token, d, top_n) for (_, token), d in zip(new, flat, strict=True)]
 
     def pop(self, request_id: str) -> list[TokenLogprobs] | None:
         """The request's details, once; None when none were recorded."""

@@ -3,6 +3,7 @@ and the chosen tokens' details (`TokenLogprobs`: the log-softmax of those proces
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,25 +61,40 @@ def sample_with_details(
 ) -> Choices:
     """One token per row, plus its details for rows whose params ask for `logprobs`. A row fails
     alone, with an error and token -1, when its logits hold NaN or +inf or its own rules fail
-    (e.g. a draw from scores that are no longer a distribution); the other rows are unaffected."""
+    (e.g. a draw from scores that are no longer a distribution); the other rows are unaffected.
+
+    Greedy rows cost one device-to-host copy for the whole batch (tokens, flags and details
+    together); a sampled row adds the checks and the draw of its own."""
     num_rows = len(params)
     bad = logits.isnan().any(-1) | logits.isposinf().any(-1)  # [M]
-    token_ids, bad_rows = torch.stack([logits.argmax(dim=-1), bad.long()]).tolist()
-    choices = Choices(token_ids, [None] * num_rows, [None] * num_rows)
+    parts = [logits.argmax(dim=-1).double(), bad.double()]
+    processed: list[tuple[int, int]] = []  # (row, its detail's length; 0: no details)
+    errors: list[str | None] = [None] * num_rows
     for i, p in enumerate(params):
-        if bad_rows[i]:
-            choices.token_ids[i] = -1
-            choices.errors[i] = "the model produced non-finite logits for this request"
-            continue
         if p.greedy and p.repetition_penalty == 1.0 and not p.logprobs:
             continue
         try:
-            choices.token_ids[i], choices.details[i] = _choose_row(
-                logits[i], p, generators[i], past_token_ids[i]
-            )
+            token, detail = _choose_row(logits[i], p, generators[i], past_token_ids[i])
         except (RuntimeError, ValueError, OverflowError) as e:
-            choices.token_ids[i] = -1
-            choices.errors[i] = f"token selection failed: {e}"
+            errors[i] = f"token selection failed: {e}"
+            continue
+        parts += [token.double().reshape(1), detail]
+        processed.append((i, detail.numel()))
+    flat = torch.cat(parts).tolist()  # the one copy to the host
+    token_ids = [int(t) for t in flat[:num_rows]]
+    choices = Choices(token_ids, [None] * num_rows, errors)
+    offset = 2 * num_rows
+    for i, size in processed:
+        choices.token_ids[i] = int(flat[offset])
+        if params[i].logprobs:
+            read = flat[offset + 1 : offset + 1 + size]
+            choices.details[i] = details_of(choices.token_ids[i], read, params[i].top_n_tokens)
+        offset += 1 + size
+    for i in range(num_rows):
+        if flat[num_rows + i]:
+            choices.errors[i] = "the model produced non-finite logits for this request"
+        if choices.errors[i] is not None:
+            choices.token_ids[i], choices.details[i] = -1, None
     return choices
 
 
@@ -87,41 +103,53 @@ def _choose_row(
     p: SamplingParams,
     generator: torch.Generator | None,
     past_token_ids: Sequence[int],
-) -> tuple[int, TokenLogprobs | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # the token [] and its details [3k + 2] (or [0])
     scores = process_logits(logits, p, past_token_ids)
     if p.greedy:
-        token_id = int(scores.argmax().item())
+        token = scores.argmax()
     else:
         probs = scores.softmax(-1)
         if not bool(probs.isfinite().all()):  # on CUDA, multinomial would assert on the device
             raise ValueError("the processed scores are not a probability distribution")
-        token_id = int(torch.multinomial(probs, 1, generator=generator).item())
-    return token_id, token_logprobs(scores, token_id, p.top_n_tokens) if p.logprobs else None
+        token = torch.multinomial(probs, 1, generator=generator)[0]
+    detail = detail_tensor(scores, token, p.top_n_tokens) if p.logprobs else scores.new_empty(0)
+    return token, detail.double()
 
 
-def token_logprobs(
+def detail_tensor(
     scores: torch.Tensor,  # [vocab] processed scores
-    token_id: int,
+    token: torch.Tensor | int,  # the chosen token, [] on the scores' device or an int
     top_n: int,
-) -> TokenLogprobs:
+) -> torch.Tensor:  # float64 [2 + 3k]: logprob, rank - 1, k top scores, their ids, logprobs
+    """A chosen token's details on the device, for `details_of` to read once on the host; k is
+    min(4 * top_n, vocab), 0 without top_n."""
     logp = scores.log_softmax(-1)
-    rank = int((scores > scores[token_id]).sum().item()) + 1
-    top_ids: tuple[int, ...] = ()
-    top_lps: tuple[float, ...] = ()
-    if top_n > 0:
-        k = min(4 * top_n, scores.shape[-1])
-        values, ids = torch.topk(scores, k)
-        finite = values[torch.isfinite(values)]
-        if finite.numel():
-            nth = finite[min(top_n, finite.numel()) - 1]
-            keep = (values >= nth) & torch.isfinite(values)
-            pairs = sorted(
-                zip(ids[keep].tolist(), logp[ids[keep]].tolist(), strict=True),
-                key=lambda x: (-x[1], x[0]),
-            )
-            top_ids = tuple(i for i, _ in pairs)
-            top_lps = tuple(lp for _, lp in pairs)
-    return TokenLogprobs(token_id, float(logp[token_id].item()), rank, top_ids, top_lps)
+    k = min(4 * top_n, scores.shape[-1]) if top_n > 0 else 0
+    values, ids = torch.topk(scores, k)
+    head = torch.stack([logp[token].double(), (scores > scores[token]).sum().double()])
+    return torch.cat([head, values.double(), ids.double(), logp[ids].double()])
+
+
+def details_of(token_id: int, flat: Sequence[float], top_n: int) -> TokenLogprobs:
+    """`TokenLogprobs` from a `detail_tensor` read on the host."""
+    k = (len(flat) - 2) // 3
+    values, ids, logps = flat[2 : 2 + k], flat[2 + k : 2 + 2 * k], flat[2 + 2 * k :]
+    finite = [v for v in values if math.isfinite(v)]
+    top: list[tuple[int, float]] = []
+    if top_n > 0 and finite:
+        nth = finite[min(top_n, len(finite)) - 1]
+        top = sorted(
+            ((int(i), lp) for v, i, lp in zip(values, ids, logps, strict=True)
+             if math.isfinite(v) and v >= nth),
+            key=lambda x: (-x[1], x[0]),
+        )  # fmt: skip
+    return TokenLogprobs(
+        token_id,
+        flat[0],
+        int(flat[1]) + 1,
+        tuple(i for i, _ in top),
+        tuple(lp for _, lp in top),
+    )
 
 
 class Sampler:
