@@ -86,3 +86,32 @@ def test_engine_step_reaches_its_host_copy_on_device(runner: ModelRunner) -> Non
     )
     with pytest.raises(DataDependentOutputException):
         engine.step()
+
+
+def test_greedy_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step of greedy requests with penalties, logprobs and top-n reads the device
+    once (`tolist`), with no `item`; the model on CPU counts the reads."""
+    path: Path = require_model(model_path(MODEL))
+    runner = ModelRunner(EngineConfig(path, dtype="float32", num_kv_blocks=32))
+    engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=4), frozenset({2}))
+    params = [
+        SamplingParams(max_new_tokens=8),
+        SamplingParams(max_new_tokens=8, repetition_penalty=1.3),
+        SamplingParams(max_new_tokens=8, logprobs=True, top_n_tokens=3),
+        SamplingParams(max_new_tokens=8, min_new_tokens=4, length_penalty=(1, 1.5)),
+    ]
+    for i, p in enumerate(params):
+        engine.add_request(str(i), list(range(10 + i, 30)), p)
+    engine.step()  # the prompts
+    reads: list[str] = []
+    for name in ("tolist", "item"):
+        method = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args: object, _m=method, _n=name) -> object:  # type: ignore[no-untyped-def]
+            reads.append(_n)
+            return _m(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    outputs = engine.step()
+    assert len(outputs) == 4 and all(len(o.new_token_ids) == 1 for o in outputs)
+    assert reads == ["tolist"]
