@@ -72,7 +72,7 @@ class LLMEngine:
     """Owns the scheduler, the KV manager and the model runner; `step()` advances every
     scheduled request by one forward pass and returns what each request gained.
 
-    With a `drafter`, greedy requests draft a token tree after each step (see `Drafter`) and
+    With a `drafter`, requests draft a token tree after each step (see `Drafter`) and
     the next step verifies it in the same forward pass as everything else: the request gains the
     longest draft path equal to its own choices plus one token, exactly the tokens it would have
     produced one by one (every per-token rule: min_new_tokens, penalties, logprobs, stops, is
@@ -100,7 +100,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.drafter = drafter
         self.observers: list[TokenObserver] = []
-        self.sampler = Sampler(runner.device)
+        self.sampler = Sampler()
         self.prompt_logprobs = PromptLogprobs()
 
     def add_request(

@@ -50,8 +50,8 @@ class LLM:
     ) -> None:
         """`max_num_tokens` sizes the KV pool (prompt + generated tokens over all sequences) and
         the per-step token budget; `max_num_seqs` bounds the running batch. `speculator` (an
-        MLP speculator's path, or any Proposer) turns on speculative decoding for greedy
-        requests while at most `spec_max_batch_size` run; `top_k_tokens_per_head` and
+        MLP speculator's path, or any Proposer) turns on speculative decoding for greedy and
+        sampled requests while at most `spec_max_batch_size` run; `top_k_tokens_per_head` and
         `n_candidates` override the speculator config's tree shape, and `candidate_selection` picks
         the candidates ("coverage" or fms-extras' "joint", see `MLPProposer`). With
         `adaptive_speculation`, a SpeculationPolicy picks per step how many candidates pay.

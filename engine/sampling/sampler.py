@@ -1,15 +1,18 @@
-"""Token selection: argmax (greedy) or a seeded draw from the scores `logits_processor` makes,
-and the chosen tokens' details (`TokenLogprobs`: the log-softmax of those processed scores)."""
+"""Token selection: argmax (greedy) or a draw keyed by (seed, position) (`keyed_draw`) from the
+scores `logits_processor` makes, and the chosen tokens' details (`TokenLogprobs`: the
+log-softmax of those processed scores)."""
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request
+from engine.sampling.keyed_draw import keyed_sample
 from engine.sampling.logits_processor import process_eos, process_logits
 from engine.sampling.params import SamplingParams
 
@@ -28,21 +31,6 @@ class TokenLogprobs:
     top_logprobs: tuple[float, ...] = ()
 
 
-def make_generator(
-    params: SamplingParams, device: torch.device | str = "cpu"
-) -> torch.Generator | None:
-    """A per-request generator on the logits' device, so a seeded request samples the same
-    tokens in any batch."""
-    if params.greedy:
-        return None
-    g = torch.Generator(device=device)
-    if params.seed is None:
-        g.seed()
-    else:
-        g.manual_seed(params.seed)
-    return g
-
-
 @dataclass
 class Choices:
     """One step's choice for each of M rows: the token (-1 where it failed), its details when
@@ -56,35 +44,53 @@ class Choices:
 def sample_with_details(
     logits: torch.Tensor,  # [M, vocab] float32
     params: Sequence[SamplingParams],  # [M]
-    generators: Sequence[torch.Generator | None],  # [M]
+    seeds: Sequence[int | None],  # [M]: the request's seed (sampled rows)
+    positions: Sequence[int],  # [M]: the sequence position of the token being chosen
     past_token_ids: Sequence[Sequence[int]],  # [M]: prompt + output ids, for repetition_penalty
 ) -> Choices:
     """One token per row, plus its details for rows whose params ask for `logprobs`. A row fails
     alone, with an error and token -1, when its logits hold NaN or +inf or its own rules fail
     (e.g. a draw from scores that are no longer a distribution); the other rows are unaffected.
 
-    Greedy rows cost one device-to-host copy for the whole batch (tokens, flags and details
-    together); a sampled row adds the checks and the draw of its own."""
+    A sampled row's token is `keyed_sample` of its processed scores, so it depends on the seed
+    and the position only. The batch costs one device-to-host copy: tokens, flags and details
+    are read together."""
     num_rows = len(params)
     bad = logits.isnan().any(-1) | logits.isposinf().any(-1)  # [M]
-    parts = [logits.argmax(dim=-1).double(), bad.double()]
-    processed: list[tuple[int, int]] = []  # (row, its detail's length; 0: no details)
     errors: list[str | None] = [None] * num_rows
+    scores: dict[int, torch.Tensor] = {}  # row -> [vocab] processed scores
     for i, p in enumerate(params):
         if p.greedy and p.repetition_penalty == 1.0 and not p.logprobs:
             continue
         try:
-            token, detail = _choose_row(logits[i], p, generators[i], past_token_ids[i])
+            scores[i] = process_logits(logits[i], p, past_token_ids[i])
         except (RuntimeError, ValueError, OverflowError) as e:
             errors[i] = f"token selection failed: {e}"
-            continue
-        parts += [token.double().reshape(1), detail]
-        processed.append((i, detail.numel()))
+    tokens = {i: s.argmax() for i, s in scores.items() if params[i].greedy}
+    sampled = [i for i in scores if not params[i].greedy]
+    no_distribution = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
+    if sampled:
+        stacked = torch.stack([scores[i] for i in sampled])  # [m, vocab]
+        drawn = keyed_sample(
+            stacked, [seeds[i] or 0 for i in sampled], [positions[i] for i in sampled]
+        )
+        tokens |= dict(zip(sampled, drawn.unbind(), strict=True))
+        # NaN, an infinite maximum (+inf: overflow, -inf: nothing left): no distribution
+        invalid = stacked.isnan().any(-1) | ~stacked.amax(-1).isfinite()  # [m]
+        index = torch.tensor(sampled, device=logits.device)
+        no_distribution = no_distribution.index_copy(0, index, invalid)
+    parts = [logits.argmax(dim=-1).double(), bad.double(), no_distribution.double()]
+    lengths: dict[int, int] = {}
+    for i in scores:
+        parts.append(tokens[i].double().reshape(1))
+        lengths[i] = 0
+        if params[i].logprobs:
+            parts.append(detail_tensor(scores[i], tokens[i], params[i].top_n_tokens))
+            lengths[i] = parts[-1].numel()
     flat = torch.cat(parts).tolist()  # the one copy to the host
-    token_ids = [int(t) for t in flat[:num_rows]]
-    choices = Choices(token_ids, [None] * num_rows, errors)
-    offset = 2 * num_rows
-    for i, size in processed:
+    choices = Choices([int(t) for t in flat[:num_rows]], [None] * num_rows, errors)
+    offset = 3 * num_rows
+    for i, size in lengths.items():
         choices.token_ids[i] = int(flat[offset])
         if params[i].logprobs:
             read = flat[offset + 1 : offset + 1 + size]
@@ -93,27 +99,13 @@ def sample_with_details(
     for i in range(num_rows):
         if flat[num_rows + i]:
             choices.errors[i] = "the model produced non-finite logits for this request"
+        elif flat[2 * num_rows + i]:
+            choices.errors[i] = (
+                "token selection failed: the processed scores are not a probability distribution"
+            )
         if choices.errors[i] is not None:
             choices.token_ids[i], choices.details[i] = -1, None
     return choices
-
-
-def _choose_row(
-    logits: torch.Tensor,  # [vocab]
-    p: SamplingParams,
-    generator: torch.Generator | None,
-    past_token_ids: Sequence[int],
-) -> tuple[torch.Tensor, torch.Tensor]:  # the token [] and its details [3k + 2] (or [0])
-    scores = process_logits(logits, p, past_token_ids)
-    if p.greedy:
-        token = scores.argmax()
-    else:
-        probs = scores.softmax(-1)
-        if not bool(probs.isfinite().all()):  # on CUDA, multinomial would assert on the device
-            raise ValueError("the processed scores are not a probability distribution")
-        token = torch.multinomial(probs, 1, generator=generator)[0]
-    detail = detail_tensor(scores, token, p.top_n_tokens) if p.logprobs else scores.new_empty(0)
-    return token, detail.double()
 
 
 def detail_tensor(
@@ -154,19 +146,21 @@ def details_of(token_id: int, flat: Sequence[float], top_n: int) -> TokenLogprob
 
 class Sampler:
     """Chooses one token per logits row for live requests: TGIS's rules (`logits_processor`),
-    then argmax or a draw from the request's own seeded generator, so a seeded request samples
-    the same tokens in any batch."""
+    then argmax or a draw keyed by the request's seed and the token's position, so a seeded
+    request samples the same tokens in any batch, in a plain step or at a draft tree's node."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        """`device`: where the logits rows are (the model's device)."""
-        self.device = device
-        self._generators: dict[str, torch.Generator | None] = {}
+    def __init__(self) -> None:
+        self._seeds: dict[str, int] = {}
 
     def add_request(self, request_id: str, params: SamplingParams) -> None:
-        self._generators[request_id] = make_generator(params, self.device)
+        """A sampling request without a seed gets a random 64-bit one."""
+        if not params.greedy:
+            self._seeds[request_id] = (
+                params.seed if params.seed is not None else random.getrandbits(64)
+            )
 
     def remove_request(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        self._seeds.pop(request_id, None)
 
     def sample(
         self,
@@ -187,7 +181,8 @@ class Sampler:
         return sample_with_details(
             logits,
             params,
-            [self._generators[r.request_id] for r in reqs],
+            [self._seeds.get(r.request_id) for r in reqs],
+            [r.num_tokens + len(e) for r, e in zip(reqs, emitted, strict=True)],
             [
                 [*r.all_token_ids, *e] if r.sampling_params.repetition_penalty != 1.0 else ()
                 for r, e in zip(reqs, emitted, strict=True)

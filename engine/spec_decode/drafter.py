@@ -1,8 +1,9 @@
 """Which requests draft after a step, how many candidates they verify, and their trees.
 
 After each step the engine hands the `Drafter` the final-norm hidden state each request's last
-token was chosen from. A request may draft when it is greedy, exactly one token behind (its last
-token has no K/V yet: it becomes the tree's root) and has room for at least one draft, while at
+token was chosen from. A request may draft, greedy or sampled (sampled tokens are keyed draws,
+see `sampling.keyed_draw`), when it is exactly one token behind (its last token has no K/V yet:
+it becomes the tree's root) and has room for at least one draft, while at
 most `max_batch_size` requests run. The policy (when given) chooses how many candidates pay this
 step, possibly none, and may ask for a probe: one request drafts, to measure.
 """
@@ -66,11 +67,7 @@ class Drafter:
         inputs = []
         for req in scheduler.running:
             hidden = hidden_states.get(req.request_id)
-            if (
-                hidden is None
-                or not req.sampling_params.greedy
-                or req.num_computed_tokens != req.num_tokens - 1
-            ):
+            if hidden is None or req.num_computed_tokens != req.num_tokens - 1:
                 continue
             remaining = min(
                 req.sampling_params.max_new_tokens - req.num_output_tokens,

@@ -1,0 +1,62 @@
+"""Sampling draws keyed by (seed, position) instead of by how many draws came before.
+
+The token a sampled request gets at sequence position n is a function of the processed scores
+at n, the request's seed and n alone: `keyed_sample` takes the argmax of scores plus Gumbel
+noise, whose uniform draws are a counter-based hash of (seed, n, token id). So a token computed
+at a node of a draft tree equals the token a plain step would have drawn there, and verifying
+sampled requests' drafts by exact match gives exactly plain sampling's tokens (the distribution
+is exact: Gumbel-max picks token i with probability softmax(scores)[i]).
+
+The hash works on int64 tensors holding 32-bit values (products of a 32-bit value and a 31-bit
+constant stay below 2**63), so it runs batched on any device with the same results.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MUL1 = 0x7FEB352D
+_MUL2 = 0x2C1B3C6D
+_GOLDEN = 0x1E3779B9
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply rounds) over values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL2) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _MASK32
+    return x ^ (x >> 15)
+
+
+def row_keys(seeds: list[int], positions: list[int], device: torch.device) -> torch.Tensor:
+    """[M] int64 32-bit keys of (seed, position) pairs; seeds are unsigned 64-bit."""
+    parts = [
+        [s & _MASK32, (s >> 32) & _MASK32, p & _MASK32]
+        for s, p in zip(seeds, positions, strict=True)
+    ]
+    lo, hi, pos = torch.tensor(parts, dtype=torch.int64, device=device).reshape(-1, 3).unbind(1)
+    key = _mix(lo ^ _GOLDEN)
+    key = _mix(key ^ hi)
+    return _mix(key ^ pos)
+
+
+def keyed_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[M] keys -> [M, vocab] float32 uniforms in (0, 1), one per (key, token id)."""
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
+    bits = _mix(_mix(keys[:, None] ^ ids[None, :]) ^ keys[:, None]) >> 9
+    return (bits.float() + 0.5) / float(1 << 23)  # 23 bits: 1 - 2**-24 is a float32 below 1
+
+
+def keyed_sample(
+    scores: torch.Tensor,  # [M, vocab] processed scores (-inf where filtered out)
+    seeds: list[int],  # [M]
+    positions: list[int],  # [M]: the sequence position of the token being drawn
+) -> torch.Tensor:  # [M] int64 token ids, on the scores' device
+    """One draw per row from softmax(scores), keyed by (seed, position)."""
+    keys = row_keys(seeds, positions, scores.device)
+    gumbel = -torch.log(-torch.log(keyed_uniform(keys, scores.shape[-1])))
+    return (scores.float() + gumbel).argmax(dim=-1)
