@@ -32,6 +32,8 @@ class SpeculationStats:
     top_k_tokens_per_head: tuple[int, ...]
     n_candidates: int
     selection: str = "coverage"
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
     num_prompts: int = 0
     num_steps: int = 0
     num_tokens: int = 0
@@ -61,11 +63,13 @@ class SpeculationStats:
 
     def table(self) -> str:
         """A plain-text report."""
+        decoding = "greedy"
+        if self.temperature:
+            decoding = f"sampled at temperature {self.temperature:g}, top-p {self.top_p:g}"
         lines = [
             f"tree top-k {list(self.top_k_tokens_per_head)} x {self.n_candidates} candidates "
-            f"({self.selection}), "
-            f"{self.num_prompts} prompts, {self.generated_tokens} tokens in "
-            f"{self.seconds:.0f}s",
+            f"({self.selection}), {decoding}, {self.num_prompts} prompts, "
+            f"{self.generated_tokens} tokens in {self.seconds:.0f}s",
             f"mean tokens per step: {self.tokens_per_step:.3f} "
             f"({self.num_tokens} tokens in {self.num_steps} verifying steps)",
             "head  reached  accepted  acceptance  conditional",
@@ -90,10 +94,14 @@ def evaluate_speculator(
     batch_size: int = 16,
     dtype: str | None = None,
     device: str = "cpu",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
 ) -> SpeculationStats:
-    """Answer `prompts` (as chat user turns) greedily with the speculator at `speculator_path`
-    verifying its full tree every step (the config's tree unless overridden), `batch_size`
-    requests at a time, and count what the trees gained."""
+    """Answer `prompts` (as chat user turns) with the speculator at `speculator_path` verifying
+    its full tree every step (the config's tree unless overridden), `batch_size` requests at a
+    time, and count what the trees gained: greedily, or sampled at `temperature` and `top_p`
+    (prompt k with seed `seed + k`)."""
     llm = LLM(
         base_path,
         dtype=dtype,
@@ -113,14 +121,18 @@ def evaluate_speculator(
         top_k_tokens_per_head=tuple(getattr(proposer, "top_k_tokens_per_head", ())),
         n_candidates=proposer.num_candidates,
         selection=candidate_selection,
+        temperature=temperature,
+        top_p=top_p,
         num_prompts=len(prompts),
         reached=[0] * proposer.num_heads,
         accepted=[0] * proposer.num_heads,
     )
     engine = llm.engine
-    params = SamplingParams(max_new_tokens=max_new_tokens)
     started = time.perf_counter()
     for k, ids in enumerate(chat_prompt_ids(llm.tokenizer, prompts)):
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + k
+        )
         engine.add_request(f"eval-{k}", ids, params)
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -534,8 +534,9 @@ def train_main(argv: Sequence[str]) -> Path:
 def eval_main(argv: Sequence[str]) -> Path:
     p = argparse.ArgumentParser(
         prog="specserve-train-speculator eval",
-        description="Tokens per step and per-head acceptance of a speculator under greedy tree "
-        "verification, on the built-in held-out chat prompts (or --prompts files).",
+        description="Tokens per step and per-head acceptance of a speculator under tree "
+        "verification, greedy or sampled (--temperature), on the built-in held-out chat prompts "
+        "(or --prompts files).",
     )
     p.add_argument("--speculator", type=Path, default=None, help="default: the default model's")
     p.add_argument("--base", type=Path, default=None, help="default: from training.json")
@@ -548,6 +549,9 @@ def eval_main(argv: Sequence[str]) -> Path:
         "--selection", choices=CANDIDATE_SELECTIONS, default="coverage", help="candidate picking"
     )
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="prompt k samples with seed + k")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", type=Path, help="also write the numbers here")
@@ -571,6 +575,9 @@ def eval_main(argv: Sequence[str]) -> Path:
         batch_size=args.batch_size,
         device=args.device,
         dtype=args.dtype,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
     )
     print(stats.table(), flush=True)
     if args.json:

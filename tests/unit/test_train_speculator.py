@@ -351,6 +351,12 @@ def test_data_from_the_engine_and_offline_eval(tiny: Path, tmp_path: Path) -> No
     assert stats.num_steps > 0 and stats.num_steps <= stats.num_tokens <= 4 * stats.num_steps
     assert stats.reached[0] == stats.num_steps
     assert "tokens per step" in stats.table()
+    sampled = evaluate_speculator(
+        tiny, folder, prompts[:2], max_new_tokens=6, batch_size=2, temperature=0.7, top_p=0.9
+    )
+    assert sampled.generated_tokens == 12 and sampled.num_steps > 0
+    assert sampled.num_steps <= sampled.num_tokens <= 4 * sampled.num_steps
+    assert "sampled at temperature 0.7, top-p 0.9" in sampled.table()
 
 
 def test_answer_rows_match_a_prefill_pass_over_the_same_sequences(
