@@ -77,6 +77,20 @@ def run(
     return result
 
 
+def attach_speculator(
+    engine: LLMEngine, spec_path: Path, top_k: list[int], n_candidates: int
+) -> None:
+    """The speculator at `spec_path` drafts for `engine`, its full tree every step."""
+    speculator = load_speculator(
+        spec_path,
+        hidden_size=engine.runner.config.hidden_size,
+        vocab_size=engine.runner.config.vocab_size,
+        dtype=engine.runner.dtype,
+        device="cpu",
+    )
+    engine.drafter = Drafter(MLPProposer(speculator, top_k, n_candidates), None, 16)
+
+
 def tiny_prompts(path: Path, n: int = 2) -> list[list[int]]:
     """Prompts of unequal lengths (as fms-extras' equivalence test)."""
     prompts = [list(p) for p in chat_prompt_ids(path)]
@@ -137,14 +151,7 @@ def test_mlp_speculator_output_equals_transformers(
         tmp_path / "spec", tiny_path, n_predict=n_predict, tie_weights=tie, scale_input=tie
     )
     engine = make_engine(tiny_path)
-    speculator = load_speculator(
-        spec_path,
-        hidden_size=engine.runner.config.hidden_size,
-        vocab_size=engine.runner.config.vocab_size,
-        dtype=engine.runner.dtype,
-        device="cpu",
-    )
-    engine.drafter = Drafter(MLPProposer(speculator, top_k, n_candidates), None, 16)
+    attach_speculator(engine, spec_path, top_k, n_candidates)
     prompts = tiny_prompts(tiny_path, 3)
     result = run(engine, prompts, SamplingParams(max_new_tokens=MAX_NEW))
     for i, prompt in enumerate(prompts):
@@ -165,14 +172,7 @@ def test_random_speculator_sampling_equals_plain_sampling(tmp_path: Path) -> Non
     prompts = tiny_prompts(path, 3)
     plain = run(make_engine(path), prompts, params)
     engine = make_engine(path)
-    speculator = load_speculator(
-        spec_path,
-        hidden_size=engine.runner.config.hidden_size,
-        vocab_size=engine.runner.config.vocab_size,
-        dtype=engine.runner.dtype,
-        device="cpu",
-    )
-    engine.drafter = Drafter(MLPProposer(speculator, (4, 3, 2), 5), None, 16)
+    attach_speculator(engine, spec_path, [4, 3, 2], 5)
     spec = run(engine, prompts, params)
     assert spec.token_ids == plain.token_ids
     assert all(any(o.draft_depth for o in spec.outputs[str(i)]) for i in range(3))
