@@ -36,8 +36,9 @@ from transformers import PreTrainedTokenizerBase
 from engine.builder import build_engine, load_tokenizer
 from engine.config import EngineConfig, SpeculativeConfig
 from server.config import ServerConfig
+from server.decode_guard import RequestDecodeGuard
 from server.engine_worker import EngineWorker
-from server.grpc_server import GenerationServicer, RequestDecodeGuard
+from server.grpc_server import GenerationServicer
 from server.http_server import HttpServer
 from server.metrics import ServerMetrics
 from server.pb import generation_pb2, generation_pb2_grpc

@@ -6,49 +6,18 @@ from __future__ import annotations
 
 import logging
 import socket
-from dataclasses import dataclass
 
 import pytest
 
-from server.grpc_server import ResponseTooLarge, _RateLimitedWarning, _SizeBound
+from server.decode_guard import _RateLimitedWarning
+from server.errors import ResponseTooLarge, SizeBound
 from server.main import StartupError, check_port_free
-from server.metrics import ServerMetrics
 from server.pb import generation_pb2 as pb
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    num_preemptions: int = 0
-
-
-def test_preemptions_are_counted_once_each() -> None:
-    metrics = ServerMetrics(256, 64, 8)
-
-    def total() -> float:
-        return metrics.request_preemptions._value.get()
-
-    a, b = FakeRequest("a"), FakeRequest("b")
-    metrics.observe_preemptions([a, b])
-    assert total() == 0
-    a.num_preemptions = 1
-    metrics.observe_preemptions([a, b])
-    metrics.observe_preemptions([a, b])  # nothing new
-    assert total() == 1
-    a.num_preemptions, b.num_preemptions = 3, 1
-    metrics.observe_preemptions([a, b])
-    assert total() == 4
-    metrics.observe_preemptions([b])  # `a` finished
-    metrics.observe_preemptions([FakeRequest("c", 2)])  # `b` finished, `c` preempted twice
-    assert total() == 6
-    text = metrics.render().decode()
-    assert "tgi_request_preemptions_total 6.0" in text
-    assert "\ntgi_request_preemptions 6.0" in text
 
 
 def test_size_bound() -> None:
     response = pb.BatchedGenerationResponse()
-    bound = _SizeBound(1000)
+    bound = SizeBound(1000)
     for _ in range(3):
         response.responses.append(pb.GenerationResponse(text="x" * 300))
         bound.add(response.responses[-1])
