@@ -85,6 +85,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self._abort_ids: dict[str, None] = {}  # an ordered set
         self._finished: list[Request] = []  # finished outside schedule(), to report
+        self.num_preemptions = 0  # since start: running requests whose blocks were taken back
 
     @property
     def num_waiting(self) -> int:
@@ -325,6 +326,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _finish(self, req: Request, status: RequestStatus) -> Request:

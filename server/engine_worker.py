@@ -71,6 +71,7 @@ class EngineWorker:
         self._sinks: dict[str, Sink] = {}
         self._queued: dict[str, Submission] = {}  # added, never scheduled yet
         self._prefix_hit_tokens = 0  # the KV manager's count when last exported
+        self._preemptions = 0  # the scheduler's count when last exported
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -201,7 +202,8 @@ class EngineWorker:
             sum(max(0, r.sampling_params.max_new_tokens - r.num_output_tokens) for r in running)
         )
         m.queue_size.set(scheduler.num_waiting)
-        m.observe_preemptions(scheduler.requests.values())
+        m.request_preemptions.inc(scheduler.num_preemptions - self._preemptions)
+        self._preemptions = scheduler.num_preemptions
         m.kv_cache_blocks_used.set(self.engine.kv.num_used_blocks)
         hits = self.engine.kv.num_prefix_hit_tokens
         m.prefix_cache_hit_tokens.inc(hits - self._prefix_hit_tokens)

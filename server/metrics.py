@@ -7,8 +7,7 @@ Counters are exposed both as `name_total` (prometheus_client's convention) and a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Protocol
+from collections.abc import Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -48,16 +47,6 @@ class _PlainCounterNames(Collector):
                     if s.name.endswith("_total"):
                         plain.add_sample(family.name, s.labels, s.value)
                 yield plain
-
-
-class _Preemptible(Protocol):
-    """What `observe_preemptions` reads of a live engine request (engine.request.Request)."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def num_preemptions(self) -> int: ...
 
 
 class ServerMetrics:
@@ -122,7 +111,6 @@ class ServerMetrics:
             "Running requests preempted (KV blocks freed, recomputed later) for lack of KV blocks",
             registry=r,
         )
-        self._preemptions_seen: dict[str, int] = {}
         counters = [
             self.request_count,
             self.request_input_count,
@@ -328,23 +316,6 @@ class ServerMetrics:
             self.spec_head_proposed.labels(str(head)).inc()
             if head < num_accepted:
                 self.spec_head_accepted.labels(str(head)).inc()
-
-    def observe_preemptions(self, live_requests: Iterable[_Preemptible]) -> None:
-        """Count the preemptions since the last call, given every live engine request (the
-        scheduler's `requests.values()`) after a step: each request's `num_preemptions` only
-        grows, and a request is live from its preemption until it is rescheduled and finishes,
-        so calling this after every step misses none. Call it from one thread."""
-        seen = self._preemptions_seen
-        now: dict[str, int] = {}
-        new = 0
-        for req in live_requests:
-            n = req.num_preemptions
-            if n:
-                new += n - seen.get(req.request_id, 0)
-                now[req.request_id] = n
-        self._preemptions_seen = now
-        if new > 0:
-            self.request_preemptions.inc(new)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

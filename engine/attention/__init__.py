@@ -52,6 +52,11 @@ def select_backend(
             pass
         else:
             return FlashAttentionBackend(block_size)
+    return triton_or_torch(block_size)
+
+
+def triton_or_torch(block_size: int | None) -> AttentionBackend:
+    """The Triton kernel's backend, or the torch backend where triton is missing."""
     try:
         from engine.attention.triton_backend import TritonBackend
     except ImportError:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from flash_attn import flash_attn_varlen_func
 
+from engine.attention import triton_or_torch
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCache
-from engine.attention.torch_backend import TorchAttentionBackend
 
 
 @dataclass(frozen=True)
@@ -34,13 +34,7 @@ class FlashAttentionBackend(AttentionBackend):
                 f"flash-attn's paged kernel needs a block size multiple of 256, "
                 f"got {self.block_size}"
             )
-        self._fallback: AttentionBackend
-        try:
-            from engine.attention.triton_backend import TritonBackend
-        except ImportError:
-            self._fallback = TorchAttentionBackend(self.block_size)
-        else:
-            self._fallback = TritonBackend(self.block_size)
+        self._fallback = triton_or_torch(self.block_size)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         if metadata.has_tree:

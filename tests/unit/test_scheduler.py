@@ -221,6 +221,7 @@ def test_preempt_newest_then_recompute_matches_ample_blocks() -> None:
             preempted += out.preempted_req_ids
         assert sched.kv.num_used_blocks == 0
         assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+        assert sched.num_preemptions == len(preempted) == sum(r.num_preemptions for r in reqs)
         return {r.request_id: list(r.output_token_ids) for r in reqs}, preempted
 
     ample, none = run(1000)
