@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from server.validation import clip
+from server.messages import clip
 
 logger = logging.getLogger(__name__)
 

@@ -40,6 +40,7 @@ from server.convert import OutputChunk
 from server.engine_worker import EngineWorker, Submission
 from server.errors import Overloaded, SizeBound, TokenizerFailure
 from server.job import Job, deliver
+from server.messages import clip, prefix_lookup_error, prefix_not_found_reason, tokenizer_error
 from server.metrics import ServerMetrics
 from server.output_tracker import OutputTracker
 from server.pb import generation_pb2 as pb
@@ -49,11 +50,7 @@ from server.validation import (
     DecodingParams,
     Limits,
     check_input_size,
-    clip,
-    prefix_lookup_error,
-    prefix_not_found_reason,
     request_parameters,
-    tokenizer_error,
     validate_input,
 )
 

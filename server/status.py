@@ -13,8 +13,8 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from server.errors import GenerationError, Overloaded, ResponseTooLarge, TokenizerFailure
+from server.messages import ValidationError, clip
 from server.metrics import ServerMetrics
-from server.validation import ValidationError, clip
 
 logger = logging.getLogger(__name__)
 

@@ -15,14 +15,14 @@ INVALID_ARGUMENT. The result, `DecodingParams`, holds no protobuf types.
 
 Beyond TGIS, so that no request can harm another (issue 16):
 
-- non-finite floats (NaN, +-inf; the proto's floats are float32, so a client can send them) are
-  rejected with the message TGIS uses for the field, since every TGIS comparison is false for
-  NaN and lets it through. That includes +inf temperature (TGIS would accept it: it flattens
-  the distribution to uniform and turns logits into NaN) and -inf typical_p (TGIS treats
-  negatives as "disabled");
+- non-finite floats (NaN, +-inf) are rejected with the message TGIS uses for the field (every
+  TGIS comparison is false for NaN and lets it through), +inf temperature and -inf typical_p
+  included;
 - `top_n_tokens` is at most MAX_TOP_N_TOKENS (vllm-tgis-adapter's bound and message);
 - an input text is at most `Limits.max_input_bytes` UTF-8 bytes (`check_input_size`);
 - user text quoted in a message (prefix ids, tokenizer errors) is cut by `clip`.
+
+The messages themselves and `ValidationError` are in `server.messages`.
 """
 
 from __future__ import annotations
@@ -34,17 +34,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from server import messages as msg
 from server.pb import generation_pb2 as pb
 
 DEFAULT_MAX_NEW_TOKENS = 20
 """max_new_tokens when the request leaves it 0 (TGIS's router constant)."""
-MAX_STOP_SEQS = 6
-MAX_STOP_SEQ_BYTES = 240
 MAX_I32 = 2**31 - 1
-MAX_TOP_N_TOKENS = 10
-"""vllm-tgis-adapter's bound on top_n_tokens (TGIS's proto comment says 5; TGIS enforces none)."""
-MAX_QUOTED_BYTES = 256
-"""User text quoted in an error message is cut to this many UTF-8 bytes (see `clip`)."""
 MIN_INPUT_BYTES = 256 * 1024
 INPUT_BYTES_PER_TOKEN = 64
 """An input text may hold `max(MIN_INPUT_BYTES, INPUT_BYTES_PER_TOKEN * max_sequence_length)`
@@ -58,93 +53,6 @@ def _f32(x: float) -> float:
 
 
 _MIN_TEMPERATURE = _f32(0.05)
-
-# Fixed messages, verbatim from TGIS's router (validation.rs); see also the builders below.
-TEMPERATURE_MSG = "temperature must be >= 0.05"
-TOP_P_MSG = "top_p must be > 0.0 and <= 1.0"
-TYPICAL_P_MSG = "typical_p must be <= 1.0"
-TOP_K_MSG = "top_k must be strictly positive"
-MIN_NEW_TOKENS_MSG = "min_new_tokens must be <= max_new_tokens"
-REPETITION_PENALTY_MSG = "repetition_penalty must be > 0.0"
-LENGTH_PENALTY_MSG = "length_penalty must be >= 1.0 and <= 10.0"
-STOP_SEQUENCES_MSG = (
-    f"can specify at most {MAX_STOP_SEQS} non-empty stop sequences, "
-    f"each not more than {MAX_STOP_SEQ_BYTES} UTF8 bytes"
-)
-TOKEN_DETAIL_MSG = "must request input and/or generated tokens to request extra token detail"
-MISSING_REQUEST_MSG = "missing request"
-
-
-class ValidationError(ValueError):
-    """An invalid request; `message` is the exact TGIS text for the INVALID_ARGUMENT status."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-def max_new_tokens_error(server_max: int) -> ValidationError:
-    """``max_new_tokens must be <= {server_max}``."""
-    return ValidationError(f"max_new_tokens must be <= {server_max}")
-
-
-def input_length_error(input_tokens: int, prefix_length: int, max_len: int) -> ValidationError:
-    """Input (after truncation) plus prefix leaves no room to generate."""
-    return ValidationError(
-        f"input tokens ({input_tokens}) plus prefix length ({prefix_length}) must be < {max_len}"
-    )
-
-
-def input_min_length_error(
-    input_tokens: int, prefix_length: int, min_new_tokens: int, max_len: int
-) -> ValidationError:
-    """Input plus prefix plus min_new_tokens exceeds the sequence limit."""
-    return ValidationError(
-        f"input tokens ({input_tokens}) plus prefix length ({prefix_length}) "
-        f"plus min_new_tokens ({min_new_tokens}) must be <= {max_len}"
-    )
-
-
-def clip(text: str, max_bytes: int = MAX_QUOTED_BYTES) -> str:
-    """`text` for quoting in an error message: unchanged up to `max_bytes` UTF-8 bytes, else its
-    first `max_bytes` bytes (never half a character) followed by an ellipsis. Error messages
-    travel in gRPC metadata, whose size is limited (an oversized one reaches the client as
-    RESOURCE_EXHAUSTED instead of the error)."""
-    if len(text) <= max_bytes // 4:
-        return text
-    data = text.encode("utf-8", "surrogatepass")
-    if len(data) <= max_bytes:
-        return text
-    return data[:max_bytes].decode("utf-8", "ignore") + "…"
-
-
-def top_n_tokens_error(top_n_tokens: int) -> ValidationError:
-    """``top_n_tokens (N) must be <= 10`` (vllm-tgis-adapter)."""
-    return ValidationError(f"top_n_tokens ({top_n_tokens}) must be <= {MAX_TOP_N_TOKENS}")
-
-
-def prefix_not_found_reason(prefix_id: str) -> str:
-    """The `reason` for an unknown prompt-prefix id, to pass to `prefix_lookup_error`."""
-    return f'prefix id "{clip(prefix_id)}" not found'
-
-
-def prefix_lookup_error(prefix_id: str, reason: str) -> ValidationError:
-    """A prompt-prefix (prefix_id) that could not be loaded; `reason` is the loader's message."""
-    return ValidationError(
-        f"can't retrieve prompt prefix with id '{clip(prefix_id)}': {clip(reason, 1024)}"
-    )
-
-
-def tokenizer_error(detail: str) -> ValidationError:
-    """Tokenization of a generation input failed (Tokenize RPC errors are UNKNOWN instead)."""
-    return ValidationError(f"tokenizer error {clip(detail)}")
-
-
-def input_size_error(num_bytes: int, max_bytes: int) -> ValidationError:
-    """An input text longer than `Limits.max_input_bytes`."""
-    return ValidationError(
-        f"input text is {num_bytes} UTF-8 bytes, more than the {max_bytes} allowed per input"
-    )
 
 
 @dataclass(frozen=True)
@@ -169,12 +77,12 @@ class Limits:
 
 
 def check_input_size(text: str, limits: Limits) -> None:
-    """Raise `input_size_error` when `text` is longer than `limits.max_input_bytes`."""
+    """Raise `messages.input_size_error` when `text` is longer than `limits.max_input_bytes`."""
     cap = limits.max_input_bytes
     if len(text) > cap // 4:  # else it cannot exceed the cap (at most 4 bytes a character)
         n = len(text.encode("utf-8", "surrogatepass"))
         if n > cap:
-            raise input_size_error(n, cap)
+            raise msg.input_size_error(n, cap)
 
 
 class LengthPenalty(NamedTuple):
@@ -313,31 +221,31 @@ def validate_parameters(params: DecodingParams, limits: Limits) -> None:
     if not math.isfinite(p.temperature) or (
         p.temperature != 0.0 and p.temperature < _MIN_TEMPERATURE
     ):
-        raise ValidationError(TEMPERATURE_MSG)
+        raise msg.ValidationError(msg.TEMPERATURE_MSG)
     if not 0.0 < p.top_p <= 1.0:  # also false for NaN
-        raise ValidationError(TOP_P_MSG)
+        raise msg.ValidationError(msg.TOP_P_MSG)
     if not math.isfinite(p.typical_p) or p.typical_p > 1.0:
-        raise ValidationError(TYPICAL_P_MSG)
+        raise msg.ValidationError(msg.TYPICAL_P_MSG)
     if p.top_k < 0 or p.top_k > MAX_I32:
-        raise ValidationError(TOP_K_MSG)
+        raise msg.ValidationError(msg.TOP_K_MSG)
     if p.max_new_tokens > limits.max_new_tokens:
-        raise max_new_tokens_error(limits.max_new_tokens)
+        raise msg.max_new_tokens_error(limits.max_new_tokens)
     if p.min_new_tokens > p.max_new_tokens:
-        raise ValidationError(MIN_NEW_TOKENS_MSG)
+        raise msg.ValidationError(msg.MIN_NEW_TOKENS_MSG)
     if not math.isfinite(p.repetition_penalty) or p.repetition_penalty <= 0.0:
-        raise ValidationError(REPETITION_PENALTY_MSG)
+        raise msg.ValidationError(msg.REPETITION_PENALTY_MSG)
     if p.length_penalty is not None and not 1.0 <= p.length_penalty.decay_factor <= 10.0:
-        raise ValidationError(LENGTH_PENALTY_MSG)  # also for NaN: the comparisons are false
-    if len(p.stop_sequences) > MAX_STOP_SEQS:
-        raise ValidationError(STOP_SEQUENCES_MSG)
-    if p.top_n_tokens > MAX_TOP_N_TOKENS:
-        raise top_n_tokens_error(p.top_n_tokens)
+        raise msg.ValidationError(msg.LENGTH_PENALTY_MSG)  # also for NaN: the comparisons are false
+    if len(p.stop_sequences) > msg.MAX_STOP_SEQS:
+        raise msg.ValidationError(msg.STOP_SEQUENCES_MSG)
+    if p.top_n_tokens > msg.MAX_TOP_N_TOKENS:
+        raise msg.top_n_tokens_error(p.top_n_tokens)
     if (p.token_logprobs or p.token_ranks or p.top_n_tokens != 0) and not (
         p.input_tokens or p.generated_tokens
     ):
-        raise ValidationError(TOKEN_DETAIL_MSG)
-    if any(not s or len(s.encode("utf-8")) > MAX_STOP_SEQ_BYTES for s in p.stop_sequences):
-        raise ValidationError(STOP_SEQUENCES_MSG)
+        raise msg.ValidationError(msg.TOKEN_DETAIL_MSG)
+    if any(not s or len(s.encode("utf-8")) > msg.MAX_STOP_SEQ_BYTES for s in p.stop_sequences):
+        raise msg.ValidationError(msg.STOP_SEQUENCES_MSG)
 
 
 def request_parameters(
@@ -348,7 +256,7 @@ def request_parameters(
     For a SingleGenerationRequest without `request`, raises ``missing request`` first.
     """
     if isinstance(request, pb.SingleGenerationRequest) and not request.HasField("request"):
-        raise ValidationError(MISSING_REQUEST_MSG)
+        raise msg.ValidationError(msg.MISSING_REQUEST_MSG)
     params = convert_parameters(request.params if request.HasField("params") else None)
     validate_parameters(params, limits)
     return params
@@ -382,9 +290,11 @@ def validate_input(
     effective = input_length + prefix_length
     max_len = limits.max_sequence_length
     if effective >= max_len:
-        raise input_length_error(input_length, prefix_length, max_len)
+        raise msg.input_length_error(input_length, prefix_length, max_len)
     if effective + params.min_new_tokens > max_len:
-        raise input_min_length_error(input_length, prefix_length, params.min_new_tokens, max_len)
+        raise msg.input_min_length_error(
+            input_length, prefix_length, params.min_new_tokens, max_len
+        )
     out = replace(params, truncate_input_tokens=truncate)
     if not out.greedy and out.seed is None:
         out = replace(out, seed=(rng or _system_random).getrandbits(32))

@@ -15,20 +15,22 @@ from typing import Any
 import pytest
 from google.protobuf import json_format
 
+from server.messages import (
+    ValidationError,
+    clip,
+    prefix_lookup_error,
+    prefix_not_found_reason,
+    tokenizer_error,
+)
 from server.pb import generation_pb2 as pb
 from server.validation import (
     DecodingParams,
     LengthPenalty,
     Limits,
     ValidatedInput,
-    ValidationError,
     check_input_size,
-    clip,
     convert_parameters,
-    prefix_lookup_error,
-    prefix_not_found_reason,
     request_parameters,
-    tokenizer_error,
     validate_batched_request,
     validate_input,
     validate_parameters,
