@@ -57,7 +57,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.core import LLMEngine
-    from engine.spec_decode.proposer import ProposalInput
     from engine.spec_decode.tree import DraftTree
     from tools.server_process import ServerProcess
 
@@ -398,71 +397,6 @@ def judge(ours: list[int], ref: Reference, near_tie: float) -> tuple[str, float 
     return ("flip" if ok else "bad"), gap
 
 
-class ScriptedDrafts:
-    """A Proposer that drafts from known greedy continuations (tests/spec_double.py's idea): at
-    its s-th proposal for a request, the best of `n_candidates` paths is right for
-    `accept_lengths[s % len]` drafts and wrong after; the others go wrong earlier, so trees have
-    real branches. Past the known sequence it drafts zeros."""
-
-    def __init__(
-        self,
-        sequences: Sequence[Sequence[int]],
-        accept_lengths: Sequence[int],
-        num_heads: int,
-        n_candidates: int,
-        vocab_size: int,
-    ) -> None:
-        self.sequences = [list(s) for s in sequences]
-        self.accept_lengths = list(accept_lengths)
-        self._num_heads = num_heads
-        self.n_candidates = n_candidates
-        self.vocab_size = vocab_size
-        self.steps: dict[str, int] = {}
-
-    @property
-    def num_heads(self) -> int:
-        return self._num_heads
-
-    @property
-    def num_candidates(self) -> int:
-        return self.n_candidates
-
-    def propose(self, inputs: Sequence[ProposalInput]) -> list[DraftTree]:
-        return [self._tree(p) for p in inputs]
-
-    def _tree(self, p: ProposalInput) -> DraftTree:
-        from engine.spec_decode.tree import DraftTree
-
-        known = list(p.token_ids)
-        truth = next(
-            (s[len(known) : len(known) + p.max_depth] for s in self.sequences
-             if s[: len(known)] == known and len(s) > len(known)),
-            None,
-        )  # fmt: skip
-        if truth is None:
-            return DraftTree.chain([0] * p.max_depth)
-        step = self.steps.get(p.request_id, 0)
-        self.steps[p.request_id] = step + 1
-        depth = p.max_depth
-        best = min(self.accept_lengths[step % len(self.accept_lengths)], depth, len(truth))
-        truth = truth + [0] * (depth - len(truth))
-
-        def wrong(token: int, k: int) -> int:
-            return (token + 1 + k) % self.vocab_size
-
-        paths = []
-        for c in range(self.n_candidates):
-            correct = max(best - c, 0)
-            path = truth[:correct]
-            if correct < depth:
-                path.append(wrong(truth[correct], c))
-            path += [wrong(t, c + 7) for t in truth[len(path) : depth]]
-            paths.append(path)
-        if step % 2:
-            paths.reverse()
-        return DraftTree.from_paths(paths)
-
-
 def run_engine(
     engine: LLMEngine, prompts: list[list[int]], max_new_tokens: int
 ) -> tuple[list[list[int]], int, int]:
@@ -626,6 +560,7 @@ def check_speculation(ctx: Ctx, case: Case) -> None:
     from engine.spec_decode.drafter import Drafter
     from engine.spec_decode.loader import load_speculator
     from engine.spec_decode.proposer import MLPProposer
+    from tools.scripted_proposer import ScriptedProposer
     from tools.tiny_speculator import write_tiny_speculator
 
     r = ctx.report
@@ -645,7 +580,7 @@ def check_speculation(ctx: Ctx, case: Case) -> None:
     )  # fmt: skip
     proposers: dict[str, Any] = {
         "random_speculator": MLPProposer(speculator, (5, 3, 2), 5),
-        "scripted": ScriptedDrafts(
+        "scripted": ScriptedProposer(
             [p + o for p, o in zip(case.prompts, off, strict=True)], (4, 0, 2, 1, 3, 4),
             num_heads=4, n_candidates=3, vocab_size=runner.config.vocab_size,
         ),

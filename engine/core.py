@@ -24,6 +24,7 @@ from engine.sampling.prompt_logprobs import PromptLogprobs
 from engine.sampling.sampler import Choices, Sampler, TokenLogprobs
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from engine.spec_decode.drafter import Drafter
+from engine.spec_decode.policy import Method
 from engine.spec_decode.tree import DraftTree
 from engine.spec_decode.verifier import Verification, accepted_slot_moves, walk_trees
 
@@ -232,7 +233,9 @@ class LLMEngine:
                 results.draft_depths[request_id] = v.tree.depth
                 hidden_states[request_id] = out.hidden_states[v.last_row]
                 if self.drafter is not None:
-                    self.drafter.observe_tree(v.tree, v.token_ids)
+                    self.drafter.observe_tree(
+                        v.tree, v.token_ids, Method.of(v.request.sampling_params)
+                    )
         return results
 
     def _build_batch(self, sched: SchedulerOutput, trees: dict[str, DraftTree]) -> _Batch:

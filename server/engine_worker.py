@@ -20,6 +20,7 @@ from typing import Any
 from engine.core import EngineOutput, LLMEngine
 from engine.request import RequestStatus
 from engine.sampling.params import SamplingParams
+from engine.spec_decode.policy import Method
 from server.errors import GenerationError
 from server.metrics import ServerMetrics
 
@@ -68,7 +69,7 @@ class EngineWorker:
         self.metrics = metrics
         self.healthy = False
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._sinks: dict[str, Sink] = {}
+        self._live: dict[str, Submission] = {}  # added, not finished
         self._queued: dict[str, Submission] = {}  # added, never scheduled yet
         self._prefix_hit_tokens = 0  # the KV manager's count when last exported
         self._preemptions = 0  # the scheduler's count when last exported
@@ -135,11 +136,11 @@ class EngineWorker:
                     except Exception as e:
                         s.sink(GenerationError(str(e)))
                     else:
-                        self._sinks[s.request_id] = s.sink
+                        self._live[s.request_id] = s
                         self._queued[s.request_id] = s
             elif kind == "abort":
                 self._queued.pop(arg, None)
-                if self._sinks.pop(arg, None) is not None:
+                if self._live.pop(arg, None) is not None:
                     self.engine.abort_request(arg)
             elif kind == "stop":
                 self._stopped = True
@@ -161,23 +162,24 @@ class EngineWorker:
             self.healthy = False
             if m is not None:
                 m.batch_inference_failure.labels(method, "error").inc()
-            for request_id, sink in self._sinks.items():
-                sink(GenerationError(str(e) or type(e).__name__))
+            for request_id, s in self._live.items():
+                s.sink(GenerationError(str(e) or type(e).__name__))
                 self.engine.abort_request(request_id)
-            self._sinks.clear()
+            self._live.clear()
             self._queued.clear()
             return
         forward_end = time.perf_counter()
         self.healthy = True
         joined = self._mark_started(step_start, outputs)
+        methods: dict[str, Method] = {}
         for out in outputs:
-            found = self._sinks.get(out.request_id)
+            found = self._live.get(out.request_id)
             if found is None:
                 continue
-            sink = found
             if out.finished:
-                del self._sinks[out.request_id]
-            sink(out)
+                del self._live[out.request_id]
+            methods[out.request_id] = Method.of(found.params)
+            found.sink(out)
         if m is None:
             return
         end = time.perf_counter()
@@ -209,7 +211,10 @@ class EngineWorker:
         m.prefix_cache_hit_tokens.inc(hits - self._prefix_hit_tokens)
         self._prefix_hit_tokens = hits
         for out in outputs:
-            m.observe_speculation(out.draft_depth, out.num_accepted_tokens)
+            if out.request_id in methods:
+                m.observe_speculation(
+                    out.draft_depth, out.num_accepted_tokens, methods[out.request_id]
+                )
         if any(out.draft_depth for out in outputs):
             m.spec_step_duration.observe(forward_end - start)
 

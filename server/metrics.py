@@ -255,21 +255,24 @@ class ServerMetrics:
         )
 
         self.spec_steps = Counter(
-            "tgi_spec_steps", "Request steps that verified a draft tree", registry=r
+            "tgi_spec_steps", "Request steps that verified a draft tree", ["method"], registry=r
         )
         self.spec_proposed_tokens = Counter(
             "tgi_spec_proposed_tokens",
             "Draft tokens proposed: per verified tree, its longest path (the most it can add)",
+            ["method"],
             registry=r,
         )
         self.spec_accepted_tokens = Counter(
             "tgi_spec_accepted_tokens",
             "Draft tokens accepted (not counting the model's own token of each step)",
+            ["method"],
             registry=r,
         )
         self.spec_tokens_per_step = Histogram(
             "tgi_spec_tokens_per_step",
             "Tokens a request gained in one speculative step (accepted drafts + 1)",
+            ["method"],
             buckets=tuple(range(1, 17)),
             registry=r,
         )
@@ -282,13 +285,13 @@ class ServerMetrics:
         self.spec_head_proposed = Counter(
             "tgi_spec_head_proposed",
             "Verified trees deep enough to reach this head position (0 = first draft)",
-            ["head"],
+            ["method", "head"],
             registry=r,
         )
         self.spec_head_accepted = Counter(
             "tgi_spec_head_accepted",
             "Verified trees whose accepted path reached this head position",
-            ["head"],
+            ["method", "head"],
             registry=r,
         )
         r.register(
@@ -303,19 +306,19 @@ class ServerMetrics:
             )
         )
 
-    def observe_speculation(self, draft_depth: int, num_accepted: int) -> None:
+    def observe_speculation(self, draft_depth: int, num_accepted: int, method: str) -> None:
         """Count one request's speculative step: a tree of longest path `draft_depth` of which
-        `num_accepted` drafts were accepted."""
+        `num_accepted` drafts were accepted; `method` is "greedy" or "sample"."""
         if draft_depth <= 0:
             return
-        self.spec_steps.inc()
-        self.spec_proposed_tokens.inc(draft_depth)
-        self.spec_accepted_tokens.inc(num_accepted)
-        self.spec_tokens_per_step.observe(num_accepted + 1)
+        self.spec_steps.labels(method).inc()
+        self.spec_proposed_tokens.labels(method).inc(draft_depth)
+        self.spec_accepted_tokens.labels(method).inc(num_accepted)
+        self.spec_tokens_per_step.labels(method).observe(num_accepted + 1)
         for head in range(draft_depth):
-            self.spec_head_proposed.labels(str(head)).inc()
+            self.spec_head_proposed.labels(method, str(head)).inc()
             if head < num_accepted:
-                self.spec_head_accepted.labels(str(head)).inc()
+                self.spec_head_accepted.labels(method, str(head)).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -11,11 +11,12 @@ step, possibly none, and may ask for a probe: one request drafts, to measure.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 
 from engine.scheduler import Scheduler
-from engine.spec_decode.policy import SpeculationPolicy
+from engine.spec_decode.policy import Method, SpeculationPolicy
 from engine.spec_decode.proposer import ProposalInput, Proposer
 from engine.spec_decode.tree import DraftTree
 
@@ -42,10 +43,10 @@ class Drafter:
         if self.policy is not None:
             self.policy.observe_step(num_rows, seconds + self._propose_seconds, num_trees)
 
-    def observe_tree(self, tree: DraftTree, token_ids: list[int]) -> None:
-        """A verified tree and the tokens its request gained from it."""
+    def observe_tree(self, tree: DraftTree, token_ids: list[int], method: Method) -> None:
+        """A verified tree of a request of `method` and the tokens the request gained from it."""
         if self.policy is not None:
-            self.policy.observe_tree(tree, token_ids)
+            self.policy.observe_tree(tree, token_ids, method)
 
     def propose(
         self,
@@ -64,7 +65,8 @@ class Drafter:
     ) -> dict[str, DraftTree]:
         if scheduler.num_running > self.max_batch_size:
             return {}
-        inputs = []
+        inputs: list[ProposalInput] = []
+        methods: list[Method] = []
         for req in scheduler.running:
             hidden = hidden_states.get(req.request_id)
             if hidden is None or req.num_computed_tokens != req.num_tokens - 1:
@@ -76,8 +78,10 @@ class Drafter:
             max_depth = min(self.proposer.num_heads, remaining - 1)
             if max_depth >= 1:
                 inputs.append(ProposalInput(req.request_id, req.all_token_ids, hidden, max_depth))
-        num_candidates = self.proposer.num_candidates
-        if self.policy is not None:
+                methods.append(Method.of(req.sampling_params))
+        full = self.proposer.num_candidates
+        choice = dict.fromkeys(methods, full)
+        if self.policy is not None and inputs:
             drafting = {p.request_id for p in inputs}
             num_plain_rows = min(
                 sum(
@@ -87,12 +91,14 @@ class Drafter:
                 ),
                 scheduler.config.max_num_batched_tokens - len(inputs),
             )
-            num_candidates = self.policy.choose(num_plain_rows, len(inputs))
-            if self.policy.probing:
-                inputs = inputs[:1]
-        if not inputs or num_candidates == 0:
+            choice = self.policy.choose(num_plain_rows, Counter(methods))
+        chosen = [(p, choice[m]) for p, m in zip(inputs, methods, strict=True) if choice.get(m)]
+        if self.policy is not None and self.policy.probing:
+            chosen = chosen[:1]
+        if not chosen:
             return {}
-        trees = self.proposer.propose(inputs)
-        if num_candidates < self.proposer.num_candidates:
-            trees = [t.first_candidates(num_candidates) for t in trees]
-        return {p.request_id: t for p, t in zip(inputs, trees, strict=True)}
+        trees = self.proposer.propose([p for p, _ in chosen])
+        return {
+            p.request_id: tree if k == full else tree.first_candidates(k)
+            for (p, k), tree in zip(chosen, trees, strict=True)
+        }

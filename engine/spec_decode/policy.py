@@ -1,13 +1,16 @@
 """When speculation pays, and with how many candidates, from costs measured while serving.
 
 Before each step the engine asks `choose(num_plain_rows, num_spec_requests)` for the number k of
-candidate paths each speculating request verifies (0: none, decode normally). The choice
-maximises the step's expected tokens per second,
+candidate paths the speculating requests of each decoding method (greedy, sampled) verify (0:
+none, decode normally). The choice maximises the step's expected tokens per second,
 
-    (num_plain_rows + n * T_k) / time(num_plain_rows + n * S_k rows, n trees)
+    (num_plain_rows + sum_m n_m * T_m,k_m) / time(num_plain_rows + sum_m n_m * S_m,k_m rows,
+                                                  the number of requests with k_m > 0 trees)
 
-with n = num_spec_requests, T_k the mean tokens a request gains with its first k candidates
-(accepted drafts + 1; T_0 = 1) and S_k the mean rows their tree takes (S_0 = 1). Step times are
+with n_m the requests of method m, T_m,k the mean tokens a request of method m gains with its
+first k candidates (accepted drafts + 1; T_m,0 = 1) and S_m,k the mean rows their tree takes
+(S_m,0 = 1). Each method has its own acceptance: a sampled token matches a draft less often than
+a greedy one, so sampled trees are priced by what sampled requests accepted. Step times are
 measured: plain steps by their rows; speculative steps (drafting included) by their rows and
 their number of trees, since a tree's rows cost more than as many prompt rows and every tree
 adds its own drafting and bookkeeping, so one request's 16-row tree says little about four
@@ -30,10 +33,24 @@ priced from the nearest one timed (fewer preferred); the step that follows measu
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from enum import StrEnum
 
+from engine.sampling.params import SamplingParams
 from engine.spec_decode.tree import DraftTree
+
+
+class Method(StrEnum):
+    """How a request chooses its tokens; each method has its own acceptance."""
+
+    GREEDY = "greedy"
+    SAMPLE = "sample"
+
+    @staticmethod
+    def of(params: SamplingParams) -> Method:
+        return Method.GREEDY if params.greedy else Method.SAMPLE
 
 
 class _Mean:
@@ -71,6 +88,29 @@ class _Fastest:
 _StepTimes = dict[int, _Fastest]  # rows -> step seconds
 
 
+class Acceptance:
+    """What verified trees of one method gave: `tokens[k]` (T_k), the mean tokens a request
+    gained with its first k candidates, and `rows[k]` (S_k), the mean rows those took."""
+
+    def __init__(self, num_candidates: int, alpha: float) -> None:
+        self.tokens = [_Mean(alpha) for _ in range(num_candidates + 1)]
+        self.rows = [_Mean(alpha) for _ in range(num_candidates + 1)]
+
+    def observe(self, tree: DraftTree, token_ids: list[int]) -> None:
+        """A verified tree and the tokens its request gained from it: every k up to the tree's
+        candidates learns what its first k candidates would have accepted."""
+        matches = tree.match_lengths(token_ids)
+        best = 0
+        for k in range(1, len(matches) + 1):
+            best = max(best, matches[k - 1])
+            self.tokens[k].add(best + 1)
+            self.rows[k].add(max(tree.leaves[:k]) + 1)
+
+    def tokens_and_rows(self, k: int) -> tuple[float, float]:
+        """(T_k, S_k); (1, 1) for k = 0."""
+        return (self.tokens[k].value, self.rows[k].value) if k else (1.0, 1.0)
+
+
 class SpeculationPolicy:
     def __init__(
         self,
@@ -89,59 +129,66 @@ class SpeculationPolicy:
         self.alpha = alpha
         self.window = window
         self.min_samples = min_samples
-        self.tokens = [_Mean(alpha) for _ in range(num_candidates + 1)]  # T_k
-        self.rows = [_Mean(alpha) for _ in range(num_candidates + 1)]  # S_k
+        self.acceptance = {m: Acceptance(num_candidates, alpha) for m in Method}
         self._plain_seconds: _StepTimes = {}
         self._spec_seconds: dict[int, _StepTimes] = {}  # number of trees -> their step times
         self._num_decisions = 0
-        self._since_full = 0  # speculative decisions since the last full tree
+        self._since_full = dict.fromkeys(Method, 0)  # speculative decisions since a full tree
         self._since_speculative = 0  # plain decisions in a row
         self.probing = False  # the last choice only measures: speculate for one request
 
-    def choose(self, num_plain_rows: int, num_spec_requests: int) -> int:
-        """How many candidates each of `num_spec_requests` requests verifies next step, in a
-        step that also computes `num_plain_rows` rows for other requests."""
+    def choose(
+        self, num_plain_rows: int, num_spec_requests: Mapping[Method, int]
+    ) -> dict[Method, int]:
+        """How many candidates each of the `num_spec_requests[m]` requests of method m verifies
+        next step, in a step that also computes `num_plain_rows` rows for other requests; a
+        method left out decodes plainly."""
         self.probing = False
-        if num_spec_requests == 0:
-            return 0
+        counts = {m: n for m, n in num_spec_requests.items() if n > 0}
+        if not counts:
+            return {}
         self._num_decisions += 1
         full = self.num_candidates
-        if not self._plain_time_is_current(num_plain_rows + num_spec_requests):
-            return self._chosen(0)
-        if self.tokens[full].count == 0 or self._since_speculative >= self.explore_every:
+        if not self._plain_time_is_current(num_plain_rows + sum(counts.values())):
+            return self._chosen({})
+        unmeasured = [m for m in counts if self.acceptance[m].tokens[full].count == 0]
+        if unmeasured or self._since_speculative >= self.explore_every:
             self.probing = True
-            return self._chosen(full)
-        if self._since_full >= self.refresh_every:
-            return self._chosen(full)
+            return self._chosen({(unmeasured or list(counts))[0]: full})
         plain_time = self._plain_time()
-        spec_time = self._spec_time(plain_time, num_spec_requests)
-        best_k, best_rate = 0, 0.0
-        for k in range(full + 1):
-            if k and self.tokens[k].count == 0:
-                continue
-            tokens = num_plain_rows + num_spec_requests * (self.tokens[k].value if k else 1.0)
-            rows = num_plain_rows + num_spec_requests * (self.rows[k].value if k else 1.0)
-            seconds = (spec_time if k else plain_time)(round(rows))
+        options = [
+            [full]
+            if self._since_full[m] >= self.refresh_every
+            else [k for k in range(full + 1) if k == 0 or self.acceptance[m].tokens[k].count]
+            for m in counts
+        ]
+        best: dict[Method, int] = {}
+        best_rate = 0.0
+        for ks in itertools.product(*options):
+            choice = {m: k for m, k in zip(counts, ks, strict=True) if k}
+            tokens = rows = float(num_plain_rows)
+            for m, n in counts.items():
+                t, r = self.acceptance[m].tokens_and_rows(choice.get(m, 0))
+                tokens, rows = tokens + n * t, rows + n * r
+            num_trees = sum(counts[m] for m in choice)
+            time_of = self._spec_time(plain_time, num_trees) if num_trees else plain_time
+            seconds = time_of(round(rows))
             if seconds is None:  # no speculative step timed yet: try one
                 self.probing = True
-                return self._chosen(k)
+                return self._chosen(choice)
             if tokens / seconds > best_rate:
-                best_k, best_rate = k, tokens / seconds
-        return self._chosen(best_k)
+                best, best_rate = choice, tokens / seconds
+        return self._chosen(best)
 
-    def _chosen(self, k: int) -> int:
-        self._since_full = 0 if k == self.num_candidates else self._since_full + (k > 0)
-        self._since_speculative = 0 if k else self._since_speculative + 1
-        return k
+    def _chosen(self, choice: dict[Method, int]) -> dict[Method, int]:
+        for m, k in choice.items():
+            self._since_full[m] = 0 if k == self.num_candidates else self._since_full[m] + 1
+        self._since_speculative = 0 if choice else self._since_speculative + 1
+        return choice
 
-    def observe_tree(self, tree: DraftTree, token_ids: list[int]) -> None:
-        """A verified tree and the tokens its request gained from it."""
-        matches = tree.match_lengths(token_ids)
-        best = 0
-        for k in range(1, len(matches) + 1):
-            best = max(best, matches[k - 1])
-            self.tokens[k].add(best + 1)
-            self.rows[k].add(max(tree.leaves[:k]) + 1)
+    def observe_tree(self, tree: DraftTree, token_ids: list[int], method: Method) -> None:
+        """A verified tree of a request of `method` and the tokens the request gained from it."""
+        self.acceptance[method].observe(tree, token_ids)
 
     def observe_step(self, num_rows: int, seconds: float, num_trees: int = 0) -> None:
         """A step that fed `num_rows` tokens to the model took `seconds`; `num_trees` draft trees

@@ -20,7 +20,7 @@ from engine.sampling.logits_processor import MAX_SCORE, process_eos, process_log
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.drafter import Drafter
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy, require_model
-from tests.spec_double import ScriptedProposer
+from tools.scripted_proposer import ScriptedProposer
 
 MODEL = "tiny-llama-mha-untied"  # untied: poisoning an embedding row leaves lm_head intact
 MAX_NEW = 16

@@ -22,7 +22,7 @@ from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.proposer import MLPProposer, Proposer
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
-from tests.spec_double import ScriptedProposer
+from tools.scripted_proposer import ScriptedProposer
 from tools.tiny_speculator import write_tiny_speculator
 
 MAX_NEW = 24

@@ -16,24 +16,32 @@ from engine.paths import model_path
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.loader import load_speculator
-from engine.spec_decode.policy import SpeculationPolicy
+from engine.spec_decode.policy import Method, SpeculationPolicy
 from engine.spec_decode.proposer import MLPProposer, ProposalInput, Proposer
 from engine.spec_decode.tree import DraftTree
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
-from tests.spec_double import ScriptedProposer
 from tests.unit.test_spec_decoding import make_engine, run
+from tools.scripted_proposer import ScriptedProposer
 from tools.tiny_speculator import write_tiny_speculator
 
 TREE = DraftTree.from_paths([[1, 2, 3], [1, 2, 4], [5, 6, 7]])  # leaves 3, 4, 7
 
 
+def choose(policy: SpeculationPolicy, num_plain_rows: int, num_greedy: int) -> int:
+    """The policy's choice for `num_greedy` greedy requests."""
+    return policy.choose(num_plain_rows, {Method.GREEDY: num_greedy}).get(Method.GREEDY, 0)
+
+
 def test_tree_statistics_per_candidate_count() -> None:
     policy = SpeculationPolicy(num_candidates=3, alpha=1.0)
-    policy.observe_tree(TREE, [1, 2, 4, 8])  # candidate 1 matches 3 drafts, candidate 0 two
-    assert [policy.tokens[k].value for k in (1, 2, 3)] == [3, 4, 4]
-    assert [policy.rows[k].value for k in (1, 2, 3)] == [4, 5, 8]
-    policy.observe_tree(TREE.first_candidates(1), [9])
-    assert policy.tokens[1].value == 1 and policy.tokens[2].value == 4
+    greedy = policy.acceptance[Method.GREEDY]
+    policy.observe_tree(
+        TREE, [1, 2, 4, 8], Method.GREEDY
+    )  # candidate 1 matches 3 drafts, candidate 0 two
+    assert [greedy.tokens[k].value for k in (1, 2, 3)] == [3, 4, 4]
+    assert [greedy.rows[k].value for k in (1, 2, 3)] == [4, 5, 8]
+    policy.observe_tree(TREE.first_candidates(1), [9], Method.GREEDY)
+    assert greedy.tokens[1].value == 1 and greedy.tokens[2].value == 4
 
 
 def test_interpolates_measured_step_times() -> None:
@@ -68,23 +76,23 @@ def test_a_step_time_is_the_fastest_of_the_recent_ones() -> None:
 
 def test_chooses_the_best_expected_rate() -> None:
     policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0, min_samples=1)
-    assert policy.choose(num_plain_rows=0, num_spec_requests=2) == 0  # times a plain step first
+    assert choose(policy, num_plain_rows=0, num_greedy=2) == 0  # times a plain step first
     policy.observe_step(2, 0.010)
     policy.observe_step(16, 0.024)  # plain: 10 ms + 1 ms a row over 2
-    assert policy.choose(0, 2) == 3 and policy.probing  # no tree verified yet: a probe
-    policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
+    assert choose(policy, 0, 2) == 3 and policy.probing  # no tree verified yet: a probe
+    policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)  # T = 3, 4, 4; S = 4, 5, 8
     for rows, seconds in [(8, 0.020), (10, 0.060), (16, 0.100)]:
         policy.observe_step(rows, seconds, num_trees=2)
     # Two requests: k=0 -> 2 tokens / 10 ms; k=1 -> 6 / 20 ms; k=2 -> 8 / 60 ms; k=3 -> 8 / 100.
-    assert policy.choose(0, 2) == 1 and not policy.probing
+    assert choose(policy, 0, 2) == 1 and not policy.probing
     policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0, min_samples=1)
     policy.observe_step(2, 0.010)
     policy.observe_step(16, 0.024)
-    policy.observe_tree(TREE, [1, 2, 4, 8])
+    policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)
     for rows, seconds in [(8, 0.100), (10, 0.110), (16, 0.120)]:  # drafting is dear
         policy.observe_step(rows, seconds, num_trees=2)
-    assert policy.choose(0, 2) == 0  # 2 tokens / 10 ms beats 6 / 100 ms
-    assert policy.choose(0, 0) == 0
+    assert choose(policy, 0, 2) == 0  # 2 tokens / 10 ms beats 6 / 100 ms
+    assert choose(policy, 0, 0) == 0
 
 
 def test_a_step_of_more_trees_is_priced_by_its_own_measurements() -> None:
@@ -92,15 +100,15 @@ def test_a_step_of_more_trees_is_priced_by_its_own_measurements() -> None:
     four trees' bookkeeping): once a step of four trees is timed, four are priced by it."""
     policy = SpeculationPolicy(num_candidates=1, refresh_every=1000, alpha=1.0, min_samples=1)
     tree = DraftTree.from_paths([[1, 2, 3]])
-    policy.observe_tree(tree, [1, 9])  # T_1 = 2, S_1 = 4
+    policy.observe_tree(tree, [1, 9], Method.GREEDY)  # T_1 = 2, S_1 = 4
     for rows, seconds in [(1, 0.020), (4, 0.022), (16, 0.030)]:
         policy.observe_step(rows, seconds)
     policy.observe_step(4, 0.030, num_trees=1)  # 8 ms over plain
-    assert policy.choose(0, 1) == 1  # 2 tokens / 30 ms beats 1 / 20 ms
-    assert policy.choose(0, 4) == 1  # priced from one tree: 8 tokens / 38 ms beat 4 / 22 ms
+    assert choose(policy, 0, 1) == 1  # 2 tokens / 30 ms beats 1 / 20 ms
+    assert choose(policy, 0, 4) == 1  # priced from one tree: 8 tokens / 38 ms beat 4 / 22 ms
     policy.observe_step(16, 0.080, num_trees=4)
-    assert policy.choose(0, 4) == 0  # 8 tokens / 80 ms lose
-    assert policy.choose(0, 1) == 1
+    assert choose(policy, 0, 4) == 0  # 8 tokens / 80 ms lose
+    assert choose(policy, 0, 1) == 1
 
 
 def test_speculates_only_against_a_current_plain_time() -> None:
@@ -108,12 +116,12 @@ def test_speculates_only_against_a_current_plain_time() -> None:
     `2 * refresh_every` decisions without one, a step decodes plainly to time it again, and
     every `refresh_every` speculative steps verify the full tree."""
     policy = SpeculationPolicy(num_candidates=3, refresh_every=2, alpha=1.0, min_samples=2)
-    policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
+    policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)  # T = 3, 4, 4; S = 4, 5, 8
     for rows, seconds in [(4, 0.011), (5, 0.5), (8, 0.9)]:
         policy.observe_step(rows, seconds, num_trees=1)
     choices = []
     for _ in range(10):
-        choices.append(policy.choose(0, 1))
+        choices.append(choose(policy, 0, 1))
         if choices[-1] == 0:
             policy.observe_step(1, 0.010)
     assert choices == [0, 0, 1, 1, 3, 1, 0, 1, 3, 1]
@@ -125,19 +133,19 @@ def test_explores_again_after_many_plain_decisions() -> None:
     policy = SpeculationPolicy(
         num_candidates=3, refresh_every=1000, alpha=1.0, explore_every=5, min_samples=1
     )
-    policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
+    policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)  # T = 3, 4, 4; S = 4, 5, 8
     policy.observe_step(2, 0.010)
     policy.observe_step(16, 0.024)  # plain: 10 ms + 1 ms a row over 2
     policy.observe_step(8, 0.500, num_trees=1)  # a cold first speculative step
     choices = []
     for _ in range(11):
-        choices.append(policy.choose(0, 2))
+        choices.append(choose(policy, 0, 2))
         assert policy.probing == (choices[-1] > 0)  # a probe: one request drafts
     assert choices == [0] * 5 + [3] + [0] * 5
-    assert policy.choose(0, 2) == 3  # explores again
+    assert choose(policy, 0, 2) == 3  # explores again
     policy.observe_step(8, 0.020, num_trees=1)  # measured again: 4 ms over plain
     # k=1: 6 tokens / 20 ms; k=2: 8 tokens / 22 ms; k=3: 8 tokens / 28 ms; k=0: 2 / 10 ms.
-    assert policy.choose(0, 2) == 2
+    assert choose(policy, 0, 2) == 2
     assert not policy.probing
 
 
@@ -145,13 +153,32 @@ def test_plain_steps_do_not_price_trees() -> None:
     """A prefill chunk of 16 rows is cheap per row; a speculative step of 16 rows (drafting,
     tree attention) is not. Only speculative steps price a tree."""
     policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0, min_samples=1)
-    policy.observe_tree(TREE, [1, 2, 4, 8])  # T = 3, 4, 4; S = 4, 5, 8
+    policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)  # T = 3, 4, 4; S = 4, 5, 8
     for rows in (2, 8, 10, 16, 32):
         policy.observe_step(rows, 0.010 + 0.0005 * rows)  # plain: decodes and prefill chunks
     assert policy.predict_seconds(8, num_trees=2) is None
     for rows in (8, 10, 16):
         policy.observe_step(rows, 0.100, num_trees=2)
-    assert policy.choose(0, 2) == 0  # 2 tokens / 11 ms beats 6 tokens / 100 ms
+    assert choose(policy, 0, 2) == 0  # 2 tokens / 11 ms beats 6 tokens / 100 ms
+
+
+def test_each_method_is_priced_by_its_own_acceptance() -> None:
+    """Greedy requests that accept whole paths speculate while sampled ones that accept nothing
+    decode plainly in the same step; a method whose full tree was never verified probes it."""
+    policy = SpeculationPolicy(num_candidates=3, refresh_every=1000, alpha=1.0, min_samples=1)
+    policy.observe_step(2, 0.010)
+    policy.observe_step(16, 0.024)  # plain: 10 ms + 1 ms a row over 2
+    policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)  # greedy T = 3, 4, 4; S = 4, 5, 8
+    for rows, seconds in [(4, 0.014), (8, 0.020), (16, 0.030)]:
+        policy.observe_step(rows, seconds, num_trees=1)
+    mixed = {Method.GREEDY: 1, Method.SAMPLE: 1}
+    assert policy.choose(0, mixed) == {Method.SAMPLE: 3} and policy.probing
+    policy.observe_tree(TREE, [9], Method.SAMPLE)  # sampled T = 1, 1, 1
+    assert policy.acceptance[Method.GREEDY].tokens[1].value == 3  # untouched
+    # greedy k=2 alone: 4 + 1 tokens / (plain 6 rows, 14 ms, + 3 ms excess) beat 2 / 10 ms,
+    # k=1 (4 / 15.5 ms) and k=3 (5 / 21.25 ms); a sampled tree adds rows and gains nothing.
+    assert policy.choose(0, mixed) == {Method.GREEDY: 2} and not policy.probing
+    assert policy.choose(0, {Method.SAMPLE: 2}) == {}
 
 
 class StepClock:

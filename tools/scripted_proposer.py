@@ -1,4 +1,5 @@
-"""A test double for the speculator: drafts from known greedy continuations with chosen errors.
+"""A controlled-error speculator for tests and benchmarks: drafts from known continuations
+with chosen errors.
 
 `ScriptedProposer(sequences, accept_lengths, n_candidates)` knows each request's full greedy
 sequence (prompt + output, from a run without speculation). At its s-th proposal for a request,
