@@ -88,8 +88,9 @@ bench-kernels: install ## Time every linear-layer kernel for the default model's
 	$(PY) -m bench.bench_kernels
 
 .PHONY: bench-verify
-bench-verify: models ## Cost of verifying a [5,3,2]x5 draft tree at batch 1 vs the bare matmuls and a plain step
-	$(PY) -m bench.bench_verify
+bench-verify: models ## Cost of verifying a [5,3,2]x5 draft tree at batch 1 vs the bare matmuls and a plain step (SPECULATOR=PATH; TEMPERATURE=0.7 TOP_P=0.9 adds tokens per step, greedy and sampled)
+	$(PY) -m bench.bench_verify $(if $(SPECULATOR),--speculator $(SPECULATOR)) \
+		$(if $(TEMPERATURE),--temperature $(TEMPERATURE)) $(if $(TOP_P),--top-p $(TOP_P))
 
 .PHONY: bench-serving
 bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/32 (SmolLM2 fp32); SPECULATOR=PATH adds an on/off comparison and a plot
@@ -97,8 +98,9 @@ bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/
 	$(PY) -m bench.bench_serving $(if $(SPECULATOR),--speculator $(SPECULATOR))
 
 .PHONY: bench-spec-onoff
-bench-spec-onoff: models ## Speculation on vs off in one engine, alternating 2.5 s windows, 1/4/16/32 clients (SPECULATOR=PATH, default: make speculator's)
-	$(PY) -m bench.spec_onoff --speculator $(or $(SPECULATOR),$(DEFAULT_SPECULATOR))
+bench-spec-onoff: models ## Speculation on vs off in one engine, alternating 2.5 s windows, 1/4/16/32 clients (SPECULATOR=PATH, default: make speculator's; TEMPERATURE=0.7 TOP_P=0.9: sampled clients)
+	$(PY) -m bench.spec_onoff --speculator $(or $(SPECULATOR),$(DEFAULT_SPECULATOR)) \
+		$(if $(TEMPERATURE),--temperature $(TEMPERATURE)) $(if $(TOP_P),--top-p $(TOP_P))
 
 .PHONY: gpu-check
 gpu-check: ## Prove the CUDA path in one run (<8 min) with the system python3, no venv; GPU_CHECK_ARGS="--device cpu --small" dry-runs it

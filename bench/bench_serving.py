@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,14 +176,16 @@ _STEP_TIME = 'tgi_batch_inference_forward_duration_{}{{makeup="single_only",meth
 
 
 def spec_counters(server: ServerProcess) -> dict[str, float]:
-    """The server's speculation counters (every `tgi_spec_*` sample by name with labels) and
-    the sum and count of its decode step times."""
-    out = {}
+    """The server's speculation counters (every `tgi_spec_*` sample by name with its labels
+    but the decoding method, summed over methods) and the sum and count of its decode step
+    times."""
+    out: dict[str, float] = {}
     wanted = (_STEP_TIME.format("sum"), _STEP_TIME.format("count"))
     for line in server.metrics_text().splitlines():
         if line.startswith("tgi_spec_") or line.startswith(wanted):
             name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+            name = re.sub(r',?method="[^"]*"', "", name).replace("{,", "{").replace("{}", "")
+            out[name] = out.get(name, 0.0) + float(value)
     return out
 
 

@@ -5,10 +5,11 @@ The tree is what the MLP speculator proposes with top-k [5, 3, 2] and 5 candidat
 prompt's real final hidden state: a trained speculator's (`--speculator PATH`, drafting from its
 draft vocabulary when it has one) or a random one of the same shape over the whole vocabulary;
 `--worst-case` uses five disjoint paths instead (16 rows). The speculator's own drafting time is
-reported too.
+reported too. With `--temperature`, the speculator's tokens per verified tree on the held-out
+prompts is reported for greedy decoding and for sampling at that temperature and `--top-p`.
 
     python -m bench.bench_verify [--model PATH] [--speculator PATH] [--top-k 5 3 2]
-                                 [--candidates 5]
+                                 [--candidates 5] [--temperature 0.7 --top-p 0.9]
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from engine.spec_decode.mlp_speculator import CANDIDATE_SELECTIONS
 from engine.spec_decode.proposer import use_engine_linears
 from engine.spec_decode.tree import DraftTree
 from tools.tiny_speculator import write_tiny_speculator
-from training.prompts import CHAT_PROMPTS, chat_prompt_ids
+from training.evaluate import evaluate_speculator
+from training.prompts import CHAT_PROMPTS, chat_prompt_ids, eval_prompts
 
 RESULTS = Path(__file__).parent / "results" / "verify.json"
 
@@ -43,22 +45,26 @@ def main() -> None:
     parser.add_argument("--speculator", type=Path, help="a trained speculator folder")
     parser.add_argument("--worst-case", action="store_true")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--temperature", type=float, help="also: tokens per step, sampled")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--eval-prompts", type=int, default=16)
+    parser.add_argument("--eval-new-tokens", type=int, default=64)
     args = parser.parse_args()
 
     llm = LLM(args.model, dtype="float32", max_num_tokens=4096)
     runner, kv = llm.runner, llm.kv
     (prompt,) = chat_prompt_ids(llm.tokenizer, CHAT_PROMPTS[:1])
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path = args.speculator or write_tiny_speculator(
-            tmp, args.model, n_predict=len(args.top_k), inner_dim=runner.config.hidden_size
-        )
-        speculator = load_speculator(
-            spec_path,
-            hidden_size=runner.config.hidden_size,
-            vocab_size=runner.config.vocab_size,
-            dtype=runner.dtype,
-            device="cpu",
-        )
+    tmp = tempfile.TemporaryDirectory()
+    spec_path = args.speculator or write_tiny_speculator(
+        tmp.name, args.model, n_predict=len(args.top_k), inner_dim=runner.config.hidden_size
+    )
+    speculator = load_speculator(
+        spec_path,
+        hidden_size=runner.config.hidden_size,
+        vocab_size=runner.config.vocab_size,
+        dtype=runner.dtype,
+        device="cpu",
+    )
     num_draft_tokens = speculator.num_draft_tokens
 
     seq = "bench"
@@ -104,7 +110,7 @@ def main() -> None:
         times[k] for k in ("verify", "floor", "plain", "floor1")
     )
 
-    result = {
+    result: dict[str, object] = {
         "model": args.model.name,
         "top_k": args.top_k,
         "candidates": args.candidates,
@@ -135,6 +141,26 @@ def main() -> None:
         f"{'speculator drafting':<26}{draft_s * 1e3:>8.2f}   "
         f"(nn.Linear: {plain_draft_s * 1e3:.2f}; from {num_draft_tokens} tokens)"
     )
+    if args.temperature is not None:
+        print(f"tokens per verified tree, {args.eval_prompts} held-out prompts:")
+        for temperature in (0.0, args.temperature):
+            stats = evaluate_speculator(
+                args.model,
+                spec_path,
+                eval_prompts()[: args.eval_prompts],
+                max_new_tokens=args.eval_new_tokens,
+                top_k_tokens_per_head=args.top_k,
+                n_candidates=args.candidates,
+                candidate_selection=args.selection,
+                temperature=temperature,
+                top_p=args.top_p if temperature else 1.0,
+            )
+            name = f"temperature {temperature:g}, top-p {args.top_p:g}" if temperature else "greedy"
+            print(f"  {name:<30}{stats.tokens_per_step:>8.3f}")
+            result[f"tokens_per_step_{'sampled' if temperature else 'greedy'}"] = (
+                stats.tokens_per_step
+            )
+    tmp.cleanup()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {RESULTS}")

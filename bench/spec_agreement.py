@@ -55,7 +55,7 @@ def serve_all(
             with ThreadPoolExecutor(args.concurrency) as pool:
                 texts = list(pool.map(one, prompts))
         metrics = {
-            name: server.metric(f"tgi_spec_tokens_per_step_{name}", 0.0)
+            name: server.metric(f'tgi_spec_tokens_per_step_{name}{{method="greedy"}}', 0.0)
             for name in ("sum", "count")
         }
     return texts, metrics

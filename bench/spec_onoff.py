@@ -3,16 +3,17 @@ that a shared host's drift cannot swamp.
 
 Two servers taking turns (`bench_serving --speculator`) see the host change between their
 windows by more than the few percent in question. Here one engine (SmolLM2 float32, the server's
-adaptive policy) serves `concurrency` closed-loop clients (greedy, exactly `--new-tokens` tokens,
-on the held-out serving prompts) through `--rounds` pairs of `--window`-second windows, its
+adaptive policy) serves `concurrency` closed-loop clients (exactly `--new-tokens` tokens, on the
+held-out serving prompts; greedy, or sampled at `--temperature` and `--top-p` with a random seed
+per request) through `--rounds` pairs of `--window`-second windows, its
 speculator attached in one window of each pair and detached in the other (the order alternating
 per pair). The clients run on through the switches and the policy keeps what it learnt, as a
 server would; the first pair of windows is uncounted. Per level: tokens/s on and off, their
 ratio, the quartiles of the per-pair ratios, and the speculative steps taken. Writes
-bench/results/spec_onoff.json.
+bench/results/spec_onoff.json (spec_onoff_sampled.json when sampled).
 
     python -m bench.spec_onoff --speculator PATH [--concurrency 1 4 16 32] [--rounds 16]
-                               [--window 2.5]
+                               [--window 2.5] [--temperature 0.7 --top-p 0.9]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from engine.sampling.params import SamplingParams
 from engine.spec_decode.drafter import Drafter
 from training.prompts import chat_prompt_ids
 
-RESULTS = Path(__file__).parent / "results" / "spec_onoff.json"
+RESULTS = Path(__file__).parent / "results"
 
 
 def run_level(
@@ -89,16 +90,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=16, help="pairs of windows per level")
     parser.add_argument("--window", type=float, default=2.5, help="seconds per window")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args()
 
     llm = LLM(args.model, dtype="float32", speculator=args.speculator)
     engine = llm.engine
     drafter = engine.drafter
     prompts = chat_prompt_ids(llm.tokenizer, SERVING_PROMPTS)
-    params = SamplingParams(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+    params = SamplingParams(
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+    )
     rows = []
     header = f"{'clients':>7} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} {'pair IQR':>13}"
-    print(f"{header} spec steps")
+    decoding = (
+        f"temperature {args.temperature:g}, top-p {args.top_p:g}" if args.temperature else "greedy"
+    )
+    print(f"{decoding}\n{header} spec steps")
     for concurrency in args.concurrency:
         windows = ["off", "on"]  # uncounted: the clients' first requests, a first try of each
         for r in range(args.rounds):
@@ -131,10 +142,11 @@ def main() -> None:
             f"{row['on_over_off']:>6.3f}x {q1:>6.3f}-{q3:<6.3f} {num_spec_steps}",
             flush=True,
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / ("spec_onoff_sampled.json" if args.temperature else "spec_onoff.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
     result = {**vars(args), "model": args.model.name, "rows": rows}
-    RESULTS.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"wrote {RESULTS}")
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

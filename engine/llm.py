@@ -96,6 +96,7 @@ class LLM:
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
+        typical_p: float = 1.0,
         seed: int | None = None,
         ignore_eos: bool = False,
         return_logits: bool = False,
@@ -107,6 +108,7 @@ class LLM:
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            typical_p=typical_p,
             seed=seed,
             ignore_eos=ignore_eos,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -96,16 +97,71 @@ def test_outputs_equal_transformers_and_streams_one_message_per_token(
         t.text for t in response.responses[0].tokens
     ]
     text = spec_server.metrics_text()
-    steps = _metric(text, "tgi_spec_steps_total")
+    steps = _metric(text, 'tgi_spec_steps_total{method="greedy"}')
     assert steps > 0
-    assert _metric(text, "tgi_spec_proposed_tokens_total") >= steps
-    assert _metric(text, 'tgi_spec_head_proposed_total{head="0"}') == steps
-    assert _metric(text, "tgi_spec_tokens_per_step_count") == steps
+    assert _metric(text, 'tgi_spec_proposed_tokens_total{method="greedy"}') >= steps
+    assert _metric(text, 'tgi_spec_head_proposed_total{head="0",method="greedy"}') == steps
+    assert _metric(text, 'tgi_spec_tokens_per_step_count{method="greedy"}') == steps
     vocab_size = json.loads((model_path(MODEL) / "config.json").read_text())["vocab_size"]
     assert f"drafting from {vocab_size // 2} tokens" in spec_server.log_text()
     spec_steps = _metric(text, "tgi_spec_step_duration_count")
     assert 0 < spec_steps <= steps  # engine steps; a step may verify several requests' trees
     assert _metric(text, "tgi_kv_cache_blocks_used") == 0
+
+
+def test_sampled_requests_speculate_with_plain_sampling_tokens(spec_server: ServerProcess) -> None:
+    """Seeded and unseeded sampled requests sent concurrently with greedy ones (one batch):
+    each gets the tokens plain sampling (the engine without a speculator) gives for its seed,
+    the response's seed reproduces it, and the sampled requests' trees are counted under
+    method="sample"."""
+    from transformers import AutoTokenizer
+
+    from engine import LLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path(MODEL)))
+    sampled = [
+        {"temperature": 0.7, "seed": 5},
+        {"temperature": 1.0, "top_k": 20, "seed": 6},
+        {"temperature": 0.3, "top_p": 0.9, "seed": 7},
+        {"temperature": 1.0, "typical_p": 0.9, "seed": 8},
+        {"temperature": 0.7, "top_k": 30, "top_p": 0.8},  # the server picks the seed
+    ]
+    prompts = CHAT_PROMPTS[4:14]
+    stopping = pb.StoppingCriteria(max_new_tokens=MAX_NEW)
+    before = spec_server.metrics_text()
+
+    def one(i: int) -> pb.GenerationResponse:
+        if i < len(sampled):
+            params = pb.Parameters(
+                method=pb.SAMPLE, sampling=pb.SamplingParameters(**sampled[i]), stopping=stopping
+            )
+        else:
+            params = pb.Parameters(method=pb.GREEDY, stopping=stopping)
+        params.response.generated_tokens = True
+        request = pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text=prompts[i])], params=params
+        )
+        with grpc.insecure_channel(spec_server.grpc_target) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            return stub.Generate(request, timeout=120).responses[0]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(one, range(len(prompts))))
+    plain = LLM(model_path(MODEL), dtype="float32")
+    for i, params in enumerate(sampled):
+        result = responses[i]
+        assert result.seed and result.seed == params.get("seed", result.seed)
+        ours = tokenizer.convert_tokens_to_ids([t.text for t in result.tokens])
+        fields = {k: v for k, v in params.items() if k != "seed"}
+        (ref,) = plain.generate([prompts[i]], MAX_NEW, seed=result.seed, **fields)
+        assert ours == ref.token_ids, params
+    for i in range(len(sampled), len(prompts)):
+        ours = tokenizer.convert_tokens_to_ids([t.text for t in responses[i].tokens])
+        ids = tuple(tokenizer(prompts[i])["input_ids"])
+        compare_greedy(ours, hf_greedy(model_path(MODEL), ids, MAX_NEW))
+    after = spec_server.metrics_text()
+    name = 'tgi_spec_steps_total{method="sample"}'
+    assert _metric(after, name) > (_metric(before, name) if name in before else 0)
 
 
 def _start_fails(env: dict[str, str], tmp_path: Path) -> str:
