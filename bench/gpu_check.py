@@ -12,12 +12,14 @@ models are written on the spot into a temporary folder.
 Sections (see docs/benchmarks.md, "GPU check"):
   environment  versions, GPU, memory, the attention backend per dtype, device copy bandwidth
   exactness    tiny random Llamas (MHA, GQA): greedy `LLM` output against transformers'
-               `generate` in float32 and float16; speculation on against off (a random MLP
+               `generate` in float32 and float16, CUDA graphs against eager steps; speculation
+               on against off (a random MLP
                speculator, and scripted drafts of the known greedy continuation) with several
                prompts whose prefill chunks mix with draft trees
   speed        a Llama-2-13B-shaped model with random fp16 weights: batch-1 decode against the
-               bandwidth bound, verify steps of 4-32 tree rows, drafting, batch 8/32/64 decode
-               at contexts 512 and 2048, a mixed step, peak memory and the KV pool
+               bandwidth bound (and eagerly, without CUDA graphs), verify steps of 4-32 tree
+               rows, drafting, batch 8/32/64 decode at contexts 512 and 2048, a mixed step,
+               peak memory and the KV pool
   loader       a 4-layer 13B-width checkpoint as sharded safetensors and as .bin: load GB/s and
                host peak memory
   server       the real server (`python -m server.main`) on the device: one Generate and one
@@ -548,6 +550,23 @@ def check_plain(ctx: Ctx, case: Case, hf: Any) -> None:
     n = len(case.prompts)
     r.check(f"{case.tag}.identical", f"{same}/{n}", "prompts", status(not bad))
     r.check(f"{case.tag}.near_tie_flips", flips, "prompts", "INFO")
+    if llm.runner.graphs is None:
+        r.check(f"{case.tag}.graphs_vs_eager", "no_graphs", "-", "INFO")
+        return
+    eager = LLM(
+        case.folder, dtype=case.dtype_name, device=ctx.device, max_num_tokens=4096,
+        max_num_seqs=16, cuda_graphs=False,
+    )  # fmt: skip
+    eager_outs = eager.generate(case.prompts, case.max_new)
+    del eager
+    equal = sum(a.token_ids == b.token_ids for a, b in zip(outs, eager_outs, strict=True))
+    eager_bad = [
+        i for i, (o, ref) in enumerate(zip(eager_outs, case.refs, strict=True))
+        if judge(o.token_ids, ref, case.near_tie)[0] == "bad"
+    ]  # fmt: skip
+    r.check(
+        f"{case.tag}.graphs_vs_eager", f"{equal}/{n}", "prompts", status(not bad and not eager_bad)
+    )
 
 
 def check_speculation(ctx: Ctx, case: Case) -> None:
@@ -781,6 +800,19 @@ def section_speed(ctx: Ctx) -> None:
             results[f"b1_{ctx_len}"] = sec
             r.check(f"speed.decode_b1_ctx{ctx_len}.step", sec * 1e3, "ms", "INFO")
             r.check(f"speed.decode_b1_ctx{ctx_len}.tok_s", 1 / sec, "tok/s", "INFO")
+        graphs = runner.graphs
+        if graphs is not None:
+            seqs = new_seqs(1, contexts[0] + 1)
+            runner.graphs = None
+            try:
+                eager = timed(ctx, run(decode_inputs(seqs, contexts[0])), repeats)
+            finally:
+                runner.graphs = graphs
+                free(seqs)
+            r.check(f"speed.decode_b1_ctx{contexts[0]}.eager_step", eager * 1e3, "ms", "INFO")
+            r.check(
+                "speed.decode_b1.graph_speedup", eager / results[f"b1_{contexts[0]}"], "x", "INFO"
+            )
         bw = BANDWIDTH.get("GB/s")
         if bw:
             bound = weight_bytes / (bw * 1e9)

@@ -110,6 +110,9 @@ class EngineConfig:
     flash_attention: bool = False
     """On CUDA in fp16/bf16 with flash-attn installed, run steps without draft trees on its
     paged kernel (blocks of 256 tokens); otherwise every step runs on the Triton kernel."""
+    cuda_graphs: bool = True
+    """With the Triton attention backend (the CUDA default), run decode steps as CUDA graphs
+    captured at start-up for bucketed batch sizes (`engine.cuda_graphs`)."""
     cpu_kernels: bool = True
     """On CPU in float32, run the model's glue and attention as fused C kernels (when a C
     compiler is found); False keeps the same maths as ATen ops."""

@@ -47,6 +47,7 @@ class LLM:
         adaptive_speculation: bool = True,
         enable_prefix_caching: bool = True,
         cpu_kernels: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         """`max_num_tokens` sizes the KV pool (prompt + generated tokens over all sequences) and
         the per-step token budget; `max_num_seqs` bounds the running batch. `speculator` (an
@@ -57,7 +58,7 @@ class LLM:
         `adaptive_speculation`, a SpeculationPolicy picks per step how many candidates pay.
         `enable_prefix_caching` shares the KV blocks of identical prompt prefixes.
         `cpu_kernels=False` runs the CPU float32 glue and attention as ATen ops instead of the
-        fused C kernels."""
+        fused C kernels. `cuda_graphs=False` runs every CUDA step eagerly."""
         path = Path(model_path) if model_path is not None else default_model_path()
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(path)
         if isinstance(dtype, torch.dtype):
@@ -80,6 +81,7 @@ class LLM:
             kv_cache_tokens=max_num_tokens,
             enable_prefix_caching=enable_prefix_caching,
             cpu_kernels=cpu_kernels,
+            cuda_graphs=cuda_graphs,
             speculative=speculative,
         )
         proposer = None if isinstance(speculator, str | Path) else speculator

@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache, select_backend
 from engine.config import DTYPES, EngineConfig
+from engine.cuda_graphs import DecodeGraphs, DecodeRow
 from engine.kernels.autotune import select_kernels
 from engine.kernels.cpu import load_cpu_kernels
 from engine.kv_sizing import DeviceMemory, kv_block_bytes, kv_pool_blocks
@@ -52,6 +53,9 @@ class SequenceInput:
 
 @dataclass
 class ModelOutput:
+    """A step's results; the tensors may be a CUDA graph's static outputs, valid until the
+    next `execute` (observers that keep rows copy them)."""
+
     logits: torch.Tensor  # [M, vocab] float32, rows in input order of the selected tokens
     hidden_states: torch.Tensor  # [M, hidden]: final-norm states at the same rows
     num_rows: list[int] = field(default_factory=list)  # rows per sequence
@@ -65,6 +69,10 @@ class ModelRunner:
     float32 rounding. The pool holds `config.num_kv_blocks` blocks, else enough for
     `config.kv_cache_tokens` tokens, else as many as `config.kv_cache_memory_mb` holds, else on
     CUDA what `engine.kv_sizing` leaves after a profiled worst-case step (512 MiB on CPU).
+
+    With `config.cuda_graphs` and the Triton backend, decode steps run as `DecodeGraphs`
+    (captured on CUDA; elsewhere, as in tests, the same static-buffer step runs eagerly); the
+    pool then holds one block more than `num_blocks`, the graphs' pad block.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -91,8 +99,25 @@ class ModelRunner:
                 ),
             )
         self.kv_caches: list[KVCache] = []
+        self.graphs: DecodeGraphs | None = None
         self.num_blocks, self.kv_pool_source = self._num_kv_blocks(config)
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        graphs = config.cuda_graphs and self.backend.name == "triton"
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks + graphs)
+        if graphs:
+            from engine.attention.triton_backend import TritonBackend
+
+            assert isinstance(self.backend, TritonBackend)
+            max_model_len = config.max_model_len or self.config.max_position_embeddings
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.backend,
+                config.max_num_seqs,
+                max_blocks_per_seq=math.ceil(max_model_len / self.block_size),
+                pad_block=self.num_blocks,
+                max_position=max_model_len - 1,
+            )
+            self.graphs.capture()
         logger.info(
             "loaded %s (%s, %s, attention %s, %d KV blocks of %d from %s)",
             self.model_path.name,
@@ -166,6 +191,29 @@ class ModelRunner:
             start += len(a)
         return views
 
+    def _is_graph_step(self, seqs: list[SequenceInput]) -> bool:
+        """A decode step the graphs cover: one token per sequence at its next position, no
+        tree, logits for every row, within the largest bucket and the graphs' block tables."""
+        graphs = self.graphs
+        assert graphs is not None
+        return len(seqs) <= graphs.max_batch_size and all(
+            len(s.token_ids) == 1
+            and s.positions is None
+            and s.tree_mask is None
+            and s.logits_indices in (None, [0])
+            and len(s.block_table) <= graphs.max_blocks_per_seq
+            for s in seqs
+        )
+
+    def _execute_graph(self, graphs: DecodeGraphs, seqs: list[SequenceInput]) -> ModelOutput:
+        decode_rows = []
+        for s in seqs:
+            position = s.num_computed_tokens
+            slot = self.slot_mapping(s.block_table, position, position + 1)[0]
+            decode_rows.append(DecodeRow(s.token_ids[0], position, slot, s.block_table))
+        logits, hidden = graphs.run(decode_rows)
+        return ModelOutput(logits=logits, hidden_states=hidden, num_rows=[1] * len(seqs))
+
     def slot_mapping(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -183,6 +231,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> ModelOutput:
         """Run one forward pass over every sequence's new tokens."""
+        if self.graphs is not None and self._is_graph_step(seqs):
+            return self._execute_graph(self.graphs, seqs)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -150,6 +150,14 @@ class ServerConfig:
             "without draft trees, when it is installed and the dtype is float16 or bfloat16."
         ),
     )
+    no_cuda_graphs: bool = field(
+        default=False,
+        metadata=_meta(
+            "Run every step eagerly; by default decode steps on CUDA replay CUDA graphs captured "
+            "at start-up for batch sizes up to max_batch_size.",
+            switch=True,
+        ),
+    )
     paged_attention: bool = field(
         default=False,
         metadata=_meta(

@@ -139,6 +139,7 @@ def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfi
         kv_cache_memory_mb=config.kv_cache_memory_mb,
         memory_fraction=config.cuda_process_memory_fraction,
         flash_attention=config.flash_attention,
+        cuda_graphs=not config.no_cuda_graphs,
         enable_prefix_caching=config.prefix_caching,
         speculative=speculative,
     )

@@ -67,11 +67,15 @@ class RotaryEmbedding:
         """[P, 2, D]: row p is (cos, cos) and (-sin, sin) at position p."""
         return self._cos_sin
 
+    def reserve(self, max_position: int) -> None:
+        """Grow the table to hold `max_position`, so that steps up to it never grow it."""
+        if max_position >= self._cos_sin.shape[0]:
+            self._grow(max(2 * self._cos_sin.shape[0], max_position + 1))
+
     def prepare(self, positions: torch.Tensor, max_position: int, lookup: bool) -> RopeStep:
         """[N] positions (all <= max_position) -> the step's RoPE input; `lookup` gathers
         [2, N, 1, D] cos / signed sin rows for `rotate`."""
-        if max_position >= self._cos_sin.shape[0]:
-            self._grow(max(2 * self._cos_sin.shape[0], max_position + 1))
+        self.reserve(max_position)
         if not lookup:
             return RopeStep(positions, None)
         return RopeStep(positions, self._cos_sin[positions].transpose(0, 1).unsqueeze(2))

@@ -53,3 +53,10 @@ def test_max_response_bytes() -> None:
     assert config.max_response_bytes == 1048576
     with pytest.raises(ValueError, match="max_response_bytes must be >= 1024"):
         ServerConfig.from_env_and_args(["--max-response-bytes", "100"], {})
+
+
+def test_cuda_graphs_switch() -> None:
+    assert ServerConfig.from_env_and_args([], {}).no_cuda_graphs is False
+    assert ServerConfig.from_env_and_args(["--no-cuda-graphs"], {}).no_cuda_graphs is True
+    assert ServerConfig.from_env_and_args([], {"NO_CUDA_GRAPHS": "1"}).no_cuda_graphs is True
+    assert ServerConfig.from_env_and_args([], {"NO_CUDA_GRAPHS": "false"}).no_cuda_graphs is False
