@@ -41,14 +41,14 @@ def build_engine(
     The speculator is read (and checked against the model's config) before the model's
     weights load, so a bad speculator fails fast. Raises CheckpointError naming the
     speculator's path, or ValueError when the KV pool cannot hold one request of
-    `config.max_model_len`."""
+    `config.max_model_len` (capped at the model's sliding window, see `ModelRunner`)."""
     spec = config.speculative or SpeculativeConfig()
     if proposer is None and spec.path is not None:
         model_config = LlamaConfig.from_folder(Path(config.model_path))
         dtype = resolve_dtype(config.dtype, model_config.torch_dtype, config.device)
         proposer = _load_proposer(spec.path, spec, model_config, dtype, torch.device(config.device))
     runner = ModelRunner(config)
-    max_model_len = config.max_model_len or runner.config.max_position_embeddings
+    max_model_len = runner.max_model_len
     if config.max_model_len is not None:
         how = runner.kv_pool_source
         logger.info(check_pool(runner.num_blocks, runner.block_size, max_model_len, how))

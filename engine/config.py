@@ -86,7 +86,8 @@ class EngineConfig:
     """Everything `build_engine` needs to assemble an `LLMEngine`."""
 
     model_path: Path
-    """A Hugging Face Llama folder (config.json, tokenizer, safetensors or .bin weights)."""
+    """A Hugging Face model folder of a supported `model_type` (llama, granite, mistral, qwen2:
+    `engine.models.config`): config.json, tokenizer, safetensors or .bin weights."""
     dtype: str | None = None
     """Weights and KV dtype (one of DTYPES); default float32 on CPU, and on CUDA the
     checkpoint's half type or float16."""

@@ -62,7 +62,9 @@ class ModelOutput:
 
 
 class ModelRunner:
-    """Loads a Llama folder, allocates the KV pool, executes steps.
+    """Loads a model folder (a family `engine.models.config` supports), allocates the KV pool,
+    executes steps. `max_model_len` is `config.max_model_len` (default: the model's max
+    positions) capped at the model's sliding window, if any.
 
     On CPU in float32 the model's glue and attention run as fused C kernels unless
     `config.cpu_kernels` is false (or no C compiler is found); the results are the same within
@@ -78,6 +80,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.model_path = Path(config.model_path)
         self.config = LlamaConfig.from_folder(self.model_path)
+        self.max_model_len = self._max_model_len(config.max_model_len)
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.config.torch_dtype, config.device)
         fused = config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32
@@ -107,15 +110,14 @@ class ModelRunner:
             from engine.attention.triton_backend import TritonBackend
 
             assert isinstance(self.backend, TritonBackend)
-            max_model_len = config.max_model_len or self.config.max_position_embeddings
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
                 self.backend,
                 config.max_num_seqs,
-                max_blocks_per_seq=math.ceil(max_model_len / self.block_size),
+                max_blocks_per_seq=math.ceil(self.max_model_len / self.block_size),
                 pad_block=self.num_blocks,
-                max_position=max_model_len - 1,
+                max_position=self.max_model_len - 1,
             )
             self.graphs.capture()
         logger.info(
@@ -128,6 +130,20 @@ class ModelRunner:
             self.block_size,
             self.kv_pool_source,
         )
+
+    def _max_model_len(self, requested: int | None) -> int:
+        """`LlamaConfig.max_model_len`, logged when the sliding window caps it."""
+        length = self.config.max_model_len(requested)
+        wanted = requested or self.config.max_position_embeddings
+        if length < wanted:
+            logger.warning(
+                "max_model_len %d capped at %d, the %s model's sliding_window: attention over a "
+                "window is not implemented, so requests stay within it",
+                wanted,
+                length,
+                self.config.model_type,
+            )
+        return length
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
         cfg = self.config

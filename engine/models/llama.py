@@ -1,4 +1,5 @@
-"""Llama (Llama-2/3, SmolLM2) over a paged KV cache.
+"""The Llama decoder (Llama-2/3, SmolLM2, and the Granite, Mistral and Qwen2 families, see
+`engine.models.config`) over a paged KV cache.
 
 The model takes one flat batch of new tokens from many sequences (prompt chunks, decode tokens,
 draft-tree tokens) and explicit attention metadata; it never sees requests or sequences.
@@ -9,16 +10,21 @@ With `kernels` (CPU float32), the glue between matrix products runs as fused C k
 (`engine/kernels/cpu.py`): residual add + RMSNorm, RoPE in place, SiLU-and-mul. Without them it runs
 the same maths as ATen ops.
 
+The families' constants are folded into the weights as they load (`weight_targets`), so that
+their forward pass is Llama's: attention_multiplier * sqrt(head_dim) into q_proj (the backends
+scale q.k by 1 / sqrt(head_dim); RoPE is linear), residual_multiplier into o_proj and down_proj,
+embedding_multiplier into the embedding table and 1 / logits_scaling into the LM head. A tied
+table holds embeddings / logits_scaling, and `embed` multiplies its rows by
+embedding_multiplier * logits_scaling, the one multiplication a neutral config skips. The
+final-norm hidden states a speculator drafts from are transformers' own.
+
 The forward passes call submodules' `forward` directly, skipping `nn.Module.__call__`'s hook
 dispatch on every call of a step: forward hooks on submodules do not run.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+import math
 
 import torch
 import torch.nn.functional as F
@@ -29,73 +35,10 @@ from engine.kernels.cpu import CpuKernels
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeStep, RotaryEmbedding
+from engine.models.config import LlamaConfig
 from engine.models.loader import WeightTarget
 
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """The subset of an HF `config.json` this implementation reads."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    torch_dtype: str | None
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
-        """Read an HF Llama config (transformers 4.x or 5.x spelling); raise ValueError naming a
-        missing or unsupported field."""
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
-            if key not in cfg:
-                raise ValueError(f"config.json has no '{key}'")
-        num_heads = int(cfg["num_attention_heads"])
-        rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or rope or None
-        if scaling is not None:
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in ("default", "linear", "llama3"):
-                raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
-            scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-
-    @classmethod
-    def from_folder(cls, path: str | Path) -> LlamaConfig:
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"model config not found: {config_file}")
-        try:
-            return cls.from_dict(json.loads(config_file.read_text()))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{config_file}: {e}") from e
+__all__ = ["LlamaConfig", "LlamaModel"]
 
 
 class Attention(nn.Module):
@@ -115,8 +58,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         hidden = config.hidden_size
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
-        self.o_proj = Linear(self.q_size, hidden, dtype=dtype, device=device)
+        self.qkv_proj = Linear(
+            hidden, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype=dtype, device=device
+        )
+        self.o_proj = Linear(self.q_size, hidden, config.o_proj_bias, dtype=dtype, device=device)
         self.rotary = rotary
         self.backend = backend
 
@@ -199,8 +144,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Decoder stack plus LM head. Parameters are allocated empty; `load_weight` fills them.
-    `kernels` (CPU float32 only) fuses the glue between matrix products."""
+    """Decoder stack plus LM head. Parameters are allocated empty; `load_weights` fills them
+    (through `weight_targets`, which fold the family's constants in). `kernels` (CPU float32
+    only) fuses the glue between matrix products."""
 
     def __init__(
         self,
@@ -228,12 +174,16 @@ class LlamaModel(nn.Module):
             for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype, device, kernels)
+        tied_scale = config.embedding_multiplier * config.logits_scaling
+        # What `embed` multiplies the tied table's rows by; None: nothing (untied, or neutral).
+        self.embed_scale = tied_scale if config.tie_word_embeddings and tied_scale != 1 else None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[N] -> [N, hidden]."""
-        if self.embed_tokens is None:
-            return self.lm_head.embedding_rows(input_ids)
-        return self.embed_tokens[input_ids]
+        """[N] -> [N, hidden], times embedding_multiplier."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens[input_ids]
+        rows = self.lm_head.embedding_rows(input_ids)
+        return rows if self.embed_scale is None else rows.mul_(self.embed_scale)
 
     def forward(
         self,
@@ -250,7 +200,7 @@ class LlamaModel(nn.Module):
         return self.norm.forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[M, hidden] final-norm states -> [M, vocab] logits."""
+        """[M, hidden] final-norm states -> [M, vocab] logits (divided by logits_scaling)."""
         return self.lm_head(hidden)
 
     def linears(self) -> list[Linear]:
@@ -259,38 +209,55 @@ class LlamaModel(nn.Module):
     # -- weight loading -------------------------------------------------------------------
 
     def weight_targets(self) -> dict[str, WeightTarget]:
-        """Every checkpoint tensor name (HF Llama naming) -> where it is loaded."""
+        """Every checkpoint tensor name (HF Llama naming) -> where it is loaded, and the constant
+        it is multiplied by there (see the module's docstring)."""
         cfg = self.config
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_scale = 1.0
+        if cfg.attention_multiplier is not None:
+            q_scale = cfg.attention_multiplier * math.sqrt(cfg.head_dim)
+        residual = cfg.residual_multiplier
+        logits = 1.0 / cfg.logits_scaling
 
-        def rows(dest: Linear, offset: int, num_rows: int) -> WeightTarget:
-            return WeightTarget(dest, offset, (num_rows, dest.in_features))
+        def rows(dest: Linear, offset: int, num_rows: int, scale: float = 1.0) -> WeightTarget:
+            return WeightTarget(dest, offset, (num_rows, dest.in_features), scale)
 
-        def whole(dest: torch.Tensor) -> WeightTarget:
-            return WeightTarget(dest, 0, tuple(dest.shape))
+        def whole(dest: torch.Tensor, scale: float = 1.0) -> WeightTarget:
+            return WeightTarget(dest, 0, tuple(dest.shape), scale)
 
         embed = self.embed_tokens
         targets = {
             "model.norm.weight": whole(self.norm.weight),
             "model.embed_tokens.weight": (
-                rows(self.lm_head, 0, cfg.vocab_size) if embed is None else whole(embed)
+                rows(self.lm_head, 0, cfg.vocab_size, logits)
+                if embed is None
+                else whole(embed, cfg.embedding_multiplier)
             ),
         }
         if embed is not None:
-            targets["lm_head.weight"] = rows(self.lm_head, 0, cfg.vocab_size)
+            targets["lm_head.weight"] = rows(self.lm_head, 0, cfg.vocab_size, logits)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
             targets |= {
                 p + "input_layernorm.weight": whole(layer.input_layernorm.weight),
                 p + "post_attention_layernorm.weight": whole(layer.post_attention_layernorm.weight),
-                p + "self_attn.q_proj.weight": rows(attn.qkv_proj, 0, q),
+                p + "self_attn.q_proj.weight": rows(attn.qkv_proj, 0, q, q_scale),
                 p + "self_attn.k_proj.weight": rows(attn.qkv_proj, q, kv),
                 p + "self_attn.v_proj.weight": rows(attn.qkv_proj, q + kv, kv),
-                p + "self_attn.o_proj.weight": rows(attn.o_proj, 0, hidden),
+                p + "self_attn.o_proj.weight": rows(attn.o_proj, 0, hidden, residual),
                 p + "mlp.gate_proj.weight": rows(mlp.gate_up_proj, 0, inter),
                 p + "mlp.up_proj.weight": rows(mlp.gate_up_proj, inter, inter),
-                p + "mlp.down_proj.weight": rows(mlp.down_proj, 0, hidden),
+                p + "mlp.down_proj.weight": rows(mlp.down_proj, 0, hidden, residual),
             }
+            qkv_bias, o_bias = attn.qkv_proj.bias, attn.o_proj.bias
+            if qkv_bias is not None:
+                targets |= {
+                    p + "self_attn.q_proj.bias": whole(qkv_bias[:q], q_scale),
+                    p + "self_attn.k_proj.bias": whole(qkv_bias[q : q + kv]),
+                    p + "self_attn.v_proj.bias": whole(qkv_bias[q + kv :]),
+                }
+            if o_bias is not None:
+                targets[p + "self_attn.o_proj.bias"] = whole(o_bias, residual)
         return targets

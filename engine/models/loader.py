@@ -25,11 +25,13 @@ class CheckpointError(ValueError):
 
 
 class WeightTarget(NamedTuple):
-    """Where one checkpoint tensor goes: a Linear's rows from `row_offset`, or a whole tensor."""
+    """Where one checkpoint tensor goes: a Linear's rows from `row_offset`, or a whole tensor;
+    multiplied by `scale` on the way (a constant of the model folded into its weights)."""
 
     dest: Linear | torch.Tensor
     row_offset: int
     shape: tuple[int, ...]  # the checkpoint tensor's expected shape
+    scale: float = 1.0
 
 
 class Loadable(Protocol):
@@ -88,7 +90,8 @@ def load_weights(model: Loadable, folder: str | Path) -> None:
     """Copy every checkpoint tensor into `model.weight_targets()`; every target must be filled.
 
     Raises CheckpointError naming the file and the tensor for a missing, unexpected or
-    mis-shaped tensor.
+    mis-shaped tensor. A scaled tensor is multiplied in float32 (one temporary of its size) and
+    rounded once to the destination's dtype.
     """
     folder = Path(folder)
     targets = model.weight_targets()
@@ -102,11 +105,13 @@ def load_weights(model: Loadable, folder: str | Path) -> None:
                 if name == "lm_head.weight" and "lm_head.weight" not in targets:
                     continue  # a tied checkpoint that also stores the head
                 raise CheckpointError(f"{file}: unexpected tensor '{name}'")
-            dest, row_offset, shape = targets[name]
+            dest, row_offset, shape, scale = targets[name]
             if tuple(tensor.shape) != shape:
                 raise CheckpointError(
                     f"{file}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {shape}"
                 )
+            if scale != 1.0:
+                tensor = tensor.to(torch.float32) * scale
             if isinstance(dest, Linear):
                 dest.load_rows(row_offset, tensor)
             else:
