@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.config import CANDIDATE_SELECTIONS, DEFAULT_MEMORY_FRACTION, DTYPES
-from engine.paths import default_model_path, model_path
+from engine.paths import default_model_path, find_model, is_hub_id, speculators_dir
 
 _MODEL_LENGTH_KEYS = (
     "max_position_embeddings",
@@ -32,10 +32,49 @@ DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024 - 64 * 1024
 on a larger message with RESOURCE_EXHAUSTED and no explanation."""
 
 
+DTYPE_ALIASES = {
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "f16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "f32": "float32",
+}
+"""Torch dtype names (and their usual short forms) -> the engine's dtype. TGIS passes DTYPE_STR to
+torch; `int8` (bitsandbytes 8-bit weights) is accepted by `canonical_dtype` as "no dtype"."""
+INT8_DTYPE = "int8"
+
+
+def canonical_dtype(name: str | None) -> str | None:
+    """The engine dtype (float16, bfloat16 or float32) of a torch dtype name such as ``half``,
+    ``torch.bfloat16`` or ``FP32`` (case-insensitive); None for None and for ``int8``, which the
+    caller reports as not supported. ValueError for any other name."""
+    if name is None:
+        return None
+    key = name.strip().lower().removeprefix("torch.")
+    if key == INT8_DTYPE:
+        return None
+    if key not in DTYPE_ALIASES:
+        raise ValueError(
+            f"dtype must be a torch floating dtype name ({', '.join(DTYPE_ALIASES)}), got {name!r}"
+        )
+    return DTYPE_ALIASES[key]
+
+
 def _meta(
-    doc: str, env: tuple[str, ...] = (), switch: bool = False, flags: tuple[str, ...] = ()
+    doc: str,
+    env: tuple[str, ...] = (),
+    switch: bool = False,
+    flags: tuple[str, ...] = (),
+    parse: Callable[[str], Any] | None = None,
 ) -> dict[str, Any]:
-    return {"doc": doc, "env": env, "switch": switch, "flags": flags}
+    """A field's metadata: its help text, env var names (default: the name in upper case), whether
+    it is a switch, extra flags, and the parser of its raw string (default: by type)."""
+    return {"doc": doc, "env": env, "switch": switch, "flags": flags, "parse": parse}
 
 
 @dataclass(frozen=True)
@@ -49,17 +88,28 @@ class ServerConfig:
     model_name: str = field(
         default_factory=lambda: str(default_model_path()),
         metadata=_meta(
-            "Model folder (absolute or relative path), or the name of a prepared model under "
-            "$SPECSERVE_HOME/models."
+            "Model folder (absolute or relative path), the name of a prepared model under "
+            "$SPECSERVE_HOME/models, or a Hugging Face Hub id (org/name) found in the local HF "
+            "cache (HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub; never "
+            "downloaded)."
+        ),
+    )
+    revision: str | None = field(
+        default=None,
+        metadata=_meta(
+            "Revision of a Hub id model_name: a branch or tag (resolved through the cache's "
+            "refs/<revision>) or a commit hash (default: main); ignored for a folder."
         ),
     )
     dtype: str | None = field(
         default=None,
         metadata=_meta(
-            "Weights/KV dtype: float32, float16 or bfloat16 (default: float32 on CPU; on CUDA "
-            "bfloat16 for a bfloat16 checkpoint, else float16).",
+            "Weights/KV dtype, a torch dtype name: float16 (half, fp16), bfloat16 (bf16) or "
+            "float32 (float, fp32); int8 is accepted with a warning and ignored (default: float32 "
+            "on CPU; on CUDA bfloat16 for a bfloat16 checkpoint, else float16).",
             env=("DTYPE_STR", "DTYPE"),
             flags=("--dtype-str",),
+            parse=canonical_dtype,
         ),
     )
     device: str = field(default="cpu", metadata=_meta("Torch device, e.g. cpu or cuda:0."))
@@ -186,6 +236,12 @@ class ServerConfig:
             env=("SPECULATOR_PATH", "SPECULATOR_NAME"),
         ),
     )
+    speculator_revision: str | None = field(
+        default=None,
+        metadata=_meta(
+            "Revision of a Hub id speculator_path (SPECULATOR_NAME), as revision for model_name."
+        ),
+    )
     speculator_n_predict: int | None = field(
         default=None,
         metadata=_meta(
@@ -232,10 +288,30 @@ class ServerConfig:
             "pay (possibly none); false: always verify the whole tree (true/false)."
         ),
     )
+    json_output: bool = field(
+        default=False,
+        metadata=_meta(
+            "Log one JSON object per line (timestamp, level, logger, message, exception).",
+            switch=True,
+        ),
+    )
+    otlp_endpoint: str | None = field(
+        default=None,
+        metadata=_meta(
+            "OpenTelemetry collector (OTLP over gRPC), e.g. http://otel-collector:4317 "
+            "(https:// or no scheme: TLS): one span per RPC and per generated sequence. Unset: "
+            "no tracing."
+        ),
+    )
+    otlp_service_name: str | None = field(
+        default=None,
+        metadata=_meta("service.name of the spans (default: OTEL_SERVICE_NAME, else specserve)."),
+    )
 
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("model_name must not be empty")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:
@@ -310,11 +386,33 @@ class ServerConfig:
 
     @property
     def model_path(self) -> Path:
-        """`model_name` as a folder: a path if it names one, else a prepared model's folder."""
-        path = Path(self.model_name).expanduser()
-        if path.is_dir() or "/" in self.model_name or self.model_name.startswith("."):
-            return path
-        return model_path(self.model_name)
+        """`model_name` as a folder (`engine.paths.find_model`: a path, a prepared model, or a
+        Hub id at `revision` in the HF cache); ModelNotFoundError naming where it looked."""
+        return find_model(self.model_name, self.revision)
+
+    @property
+    def speculator_model_path(self) -> Path | None:
+        """`speculator_path` as a file or folder (a path, a prepared speculator under
+        $SPECSERVE_HOME/speculators, or a Hub id at `speculator_revision` in the HF cache);
+        None without a speculator."""
+        if self.speculator_path is None:
+            return None
+        path = Path(self.speculator_path).expanduser()
+        if path.exists() or not is_hub_id(self.speculator_path):
+            return path  # a missing path: the speculator loader names it
+        return find_model(
+            self.speculator_path, self.speculator_revision, speculators_dir(), "speculator"
+        )
+
+    def with_resolved_models(self) -> ServerConfig:
+        """A copy whose model_name (and speculator_path) are the resolved local paths, so that
+        the lookup runs once; ModelNotFoundError when one is not found."""
+        speculator = self.speculator_model_path
+        return dataclasses.replace(
+            self,
+            model_name=str(self.model_path),
+            speculator_path=None if speculator is None else str(speculator),
+        )
 
     def resolved_max_sequence_length(self) -> int:
         """`max_sequence_length`, else the first length key of the model's config.json, else
@@ -339,8 +437,9 @@ class ServerConfig:
         cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     ) -> ServerConfig:
         """Build from `env` (default os.environ) overridden by the flags in `argv` (default
-        sys.argv[1:]). Raises ValueError for unparsable or invalid values, naming the field;
-        SystemExit for unknown flags or --help."""
+        sys.argv[1:]). Raises ValueError for unknown flags and for unparsable or invalid values,
+        naming the field; SystemExit for --help. TGIS launcher flags without effect here are
+        accepted (`server.cli.parse_launcher` also returns their warnings)."""
         from server.cli import config_from_env_and_args
 
         return config_from_env_and_args(argv, env)

@@ -37,12 +37,14 @@ Sink = Callable[[EngineOutput | BaseException], None]
 
 @dataclass
 class RequestTiming:
-    """`time.monotonic()` instants of one request: `arrival` at the server, and `started` when
-    the engine first scheduled it (None until then). The worker sets `started` before it
-    delivers the outputs of that step, so a sink's consumer sees it with the first tokens."""
+    """`time.monotonic()` instants of one request: `arrival` at the server, `started` when the
+    engine first scheduled it and `first_token` when a step first gave it tokens (None until
+    then). The worker sets both before it delivers the outputs of that step, so a sink's
+    consumer sees them with the first tokens."""
 
     arrival: float
     started: float | None = None
+    first_token: float | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,7 @@ class EngineWorker:
             self._queued.clear()
             return
         forward_end = time.perf_counter()
+        step_end = time.monotonic()
         self.healthy = True
         joined = self._mark_started(step_start, outputs)
         methods: dict[str, Method] = {}
@@ -176,6 +179,8 @@ class EngineWorker:
             found = self._live.get(out.request_id)
             if found is None:
                 continue
+            if out.new_token_ids and found.timing.first_token is None:
+                found.timing.first_token = step_end
             if out.finished:
                 del self._live[out.request_id]
             methods[out.request_id] = Method.of(found.params)

@@ -16,7 +16,9 @@ No request can harm another: tokenization (Generate and Tokenize) runs on a thre
 the event loop; Tokenize takes admission permits like Generate; every response message is at
 most `max_response_bytes` (below gRPC's default 4 MiB receive limit), else the request fails
 with RESOURCE_EXHAUSTED; error messages quote user text clipped; `server.decode_guard` answers
-undecodable request bytes with INVALID_ARGUMENT and a rate-limited warning.
+undecodable request bytes with INVALID_ARGUMENT and a rate-limited warning, and request fields
+unknown to this proto get INVALID_ARGUMENT too. With OTLP_ENDPOINT, `server.tracing` writes a
+span per RPC and per generated sequence.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry.trace import Span
 from transformers import PreTrainedTokenizerBase
 
 from server import convert
@@ -46,10 +49,12 @@ from server.output_tracker import OutputTracker
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from server.status import handle_errors
+from server.tracing import RequestTracer, SequenceRecord, rpc_span
 from server.validation import (
     DecodingParams,
     Limits,
     check_input_size,
+    check_known_fields,
     request_parameters,
     validate_input,
 )
@@ -74,7 +79,8 @@ class PreparedInput:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """The RPC handlers. Runs on one event loop; `worker` runs the engine; tokenization runs on
-    a pool of `tokenization_workers` threads (default: min(8, CPUs)); `close()` stops it."""
+    a pool of `tokenization_workers` threads (default: min(8, CPUs)); `close()` stops it. With a
+    `tracer`, each RPC and each generated sequence gets a span (`server.tracing`)."""
 
     def __init__(
         self,
@@ -87,8 +93,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         output_special_tokens: bool = False,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         tokenization_workers: int | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.worker = worker
+        self.tracer = tracer
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
@@ -144,6 +152,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         prompt = ids or list(self._empty_prompt)
         return PreparedInput(text, ids, prompt, validated.input_length, validated.params)
 
+    def _check_prefix(
+        self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest
+    ) -> None:
+        """Prompt prefixes (PREFIX_STORE_PATH) are not supported: every prefix_id is unknown,
+        a failed prompt load (`tgi_prompt_load_failure`, as TGIS counts a failed lookup)."""
+        if request.HasField("prefix_id"):
+            self.metrics.prompt_load_failure.inc()
+            reason = prefix_not_found_reason(request.prefix_id)
+            raise prefix_lookup_error(request.prefix_id, reason)
+
     def _tracker(self, inp: PreparedInput) -> OutputTracker:
         include = inp.params.include_stop_sequence
         return OutputTracker(
@@ -173,11 +191,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.worker.submit(submissions)
         return jobs
 
-    def _record_success(self, kind: str, inp: PreparedInput, last: OutputChunk, job: Job) -> None:
+    def _record_success(
+        self,
+        kind: str,
+        inp: PreparedInput,
+        last: OutputChunk,
+        job: Job,
+        span: Span,
+        index: int = 0,
+    ) -> None:
         """Count a completed input: success, token counts, end-to-end duration and, once the
-        engine ran it, inference duration (first step to now) and its time per token."""
+        engine ran it, inference duration (first step to now) and its time per token; with a
+        tracer, write its `sequence` span under the RPC's `span`."""
         m = self.metrics
-        m.request_success.labels(pb.StopReason.Name(last.stop_reason), kind).inc()
+        stop_reason = pb.StopReason.Name(last.stop_reason)
+        m.request_success.labels(stop_reason, kind).inc()
         m.request_generated_tokens.observe(last.generated_token_count)
         m.request_total_tokens.observe(inp.input_token_count + last.generated_token_count)
         now = time.monotonic()
@@ -190,6 +218,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 m.request_mean_time_per_token_duration.observe(
                     inference / last.generated_token_count
                 )
+        if self.tracer is not None:
+            record = SequenceRecord(
+                index=index,
+                input_tokens=inp.input_token_count,
+                generated_tokens=last.generated_token_count,
+                max_new_tokens=inp.params.max_new_tokens,
+                stop_reason=stop_reason,
+                decoding_method="greedy" if inp.params.greedy else "sample",
+                seed=inp.params.seed or 0,
+                arrival=job.timing.arrival,
+                started=started,
+                first_token=job.timing.first_token,
+                end=now,
+            )
+            self.tracer.sequence(span, record)
 
     @handle_errors("batch")
     async def Generate(
@@ -201,37 +244,41 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         kind = "batch" if len(request.requests) > 1 else "single"
         self.metrics.request_count.labels(kind).inc()
         self.metrics.request_input_count.inc(len(request.requests))
-        with self._admit(len(request.requests)):
-            params = request_parameters(request, self.limits)
-            _check_prefix(request)
-            texts = [r.text for r in request.requests]
-            for text in texts:
-                check_input_size(text, self.limits)
-            inputs = await self._off_loop(self._prepare_all, texts, params)
-            self.metrics.request_validation_duration.observe(time.monotonic() - t0)
-            jobs = self._start(inputs, t0)
-            try:
-                results = await asyncio.gather(*(job.collect() for job in jobs))
-            finally:
-                for job in jobs:
-                    job.cancel()
-        response = pb.BatchedGenerationResponse()
-        bound = SizeBound(self.max_response_bytes)
-        for inp, job, chunks in zip(inputs, jobs, results, strict=True):
-            input_text = inp.text if inp.params.input_text else ""
-            seed = inp.params.seed or 0
-            input_tokens = []
-            if inp.params.input_tokens:
-                input_tokens = job.tracker.input_tokens(inp.input_token_ids)
-            response.responses.append(
-                convert.unary_response(
-                    chunks, inp.input_token_count, input_text, seed, input_tokens
+        with rpc_span(self.tracer, "Generate", context.invocation_metadata()) as span:
+            span.set_attribute("request.inputs", len(request.requests))
+            with self._admit(len(request.requests)):
+                params = request_parameters(request, self.limits)
+                self._check_prefix(request)
+                texts = [r.text for r in request.requests]
+                for text in texts:
+                    check_input_size(text, self.limits)
+                inputs = await self._off_loop(self._prepare_all, texts, params)
+                validation = time.monotonic() - t0
+                self.metrics.request_validation_duration.observe(validation)
+                span.set_attribute("validation_time_s", validation)
+                jobs = self._start(inputs, t0)
+                try:
+                    results = await asyncio.gather(*(job.collect() for job in jobs))
+                finally:
+                    for job in jobs:
+                        job.cancel()
+            response = pb.BatchedGenerationResponse()
+            bound = SizeBound(self.max_response_bytes)
+            for inp, job, chunks in zip(inputs, jobs, results, strict=True):
+                input_text = inp.text if inp.params.input_text else ""
+                seed = inp.params.seed or 0
+                input_tokens = []
+                if inp.params.input_tokens:
+                    input_tokens = job.tracker.input_tokens(inp.input_token_ids)
+                response.responses.append(
+                    convert.unary_response(
+                        chunks, inp.input_token_count, input_text, seed, input_tokens
+                    )
                 )
-            )
-            bound.add(response.responses[-1])
-        for inp, job, chunks in zip(inputs, jobs, results, strict=True):
-            self._record_success(kind, inp, chunks[-1], job)
-        return response
+                bound.add(response.responses[-1])
+            for i, (inp, job, chunks) in enumerate(zip(inputs, jobs, results, strict=True)):
+                self._record_success(kind, inp, chunks[-1], job, span, i)
+            return response
 
     @handle_errors("stream")
     async def GenerateStream(
@@ -240,12 +287,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         t0 = time.monotonic()
         self.metrics.request_count.labels("stream").inc()
         self.metrics.request_input_count.inc()
-        with self._admit(1):
+        with (
+            rpc_span(self.tracer, "GenerateStream", context.invocation_metadata()) as span,
+            self._admit(1),
+        ):
             params = request_parameters(request, self.limits)
-            _check_prefix(request)
+            self._check_prefix(request)
             check_input_size(request.request.text, self.limits)
             inp = await self._off_loop(self._prepare, request.request.text, params)
-            self.metrics.request_validation_duration.observe(time.monotonic() - t0)
+            validation = time.monotonic() - t0
+            self.metrics.request_validation_duration.observe(validation)
+            span.set_attribute("validation_time_s", validation)
             seed = inp.params.seed or 0
             input_text = inp.text if inp.params.input_text else ""
             bound = SizeBound(self.max_response_bytes)
@@ -263,7 +315,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     if chunk.text or chunk.tokens or chunk.finished:
                         yield bound.check(convert.stream_message(chunk, seed))
                     if chunk.finished:
-                        self._record_success("stream", inp, chunk, job)
+                        self._record_success("stream", inp, chunk, job, span)
             finally:
                 job.cancel()
 
@@ -273,16 +325,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> pb.BatchedTokenizeResponse:
         """Admitted like Generate (one permit per input); each text is at most
         `limits.max_input_bytes`; `truncate_input_tokens` N > 0 keeps the last N tokens (and
-        their offsets), as TGIS."""
+        their offsets), as TGIS. Fields this server does not know (vllm-tgis-adapter's
+        adapter_id, say) fail with INVALID_ARGUMENT."""
         t0 = time.monotonic()
         self.metrics.tokenize_request_count.inc()
         self.metrics.tokenize_request_input_count.inc(len(request.requests))
         if not request.requests:
             return pb.BatchedTokenizeResponse()
-        with self._admit(len(request.requests)):
+        with (
+            rpc_span(self.tracer, "Tokenize", context.invocation_metadata()) as span,
+            self._admit(len(request.requests)),
+        ):
+            span.set_attribute("request.inputs", len(request.requests))
+            check_known_fields(request)
             for r in request.requests:
                 check_input_size(r.text, self.limits)
             response, total = await self._off_loop(self._tokenize, request)
+            span.set_attribute("input_tokens", total)
         self.metrics.tokenize_request_tokens.observe(total)
         self.metrics.tokenize_request_duration.observe(time.monotonic() - t0)
         return response
@@ -317,10 +376,3 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return convert.model_info_response(
             self.limits.max_sequence_length, self.limits.max_new_tokens
         )
-
-
-def _check_prefix(request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest) -> None:
-    """Prompt prefixes (PREFIX_STORE_PATH) are not supported: every prefix_id is unknown."""
-    if request.HasField("prefix_id"):
-        reason = prefix_not_found_reason(request.prefix_id)
-        raise prefix_lookup_error(request.prefix_id, reason)

@@ -35,14 +35,17 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.builder import build_engine, load_tokenizer
 from engine.config import EngineConfig, SpeculativeConfig
+from server.cli import json_output_requested, parse_launcher, termination_log_path
 from server.config import ServerConfig
 from server.decode_guard import RequestDecodeGuard
 from server.engine_worker import EngineWorker
 from server.grpc_server import GenerationServicer
 from server.http_server import HttpServer
+from server.logs import setup_logging, write_termination_log
 from server.metrics import ServerMetrics
 from server.pb import generation_pb2, generation_pb2_grpc
 from server.tls import server_credentials
+from server.tracing import start_tracing
 from server.validation import Limits
 
 logger = logging.getLogger("specserve")
@@ -145,12 +148,34 @@ def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfi
     )
 
 
+def resolve_models(config: ServerConfig) -> ServerConfig:
+    """`config` with its model (and speculator) names resolved to local paths, once, logged:
+    a path, a prepared model, or a Hub id at REVISION in the local HF cache (never
+    downloaded). ModelNotFoundError (an OSError) names every place looked at."""
+    resolved = config.with_resolved_models()
+    if resolved.model_name != config.model_name:
+        logger.info("model %s: %s", config.model_name, resolved.model_name)
+    if resolved.speculator_path != config.speculator_path:
+        logger.info("speculator %s: %s", config.speculator_path, resolved.speculator_path)
+    return resolved
+
+
 async def serve(config: ServerConfig) -> None:
     """Run the server until SIGTERM or SIGINT."""
+    config = resolve_models(config)
     credentials = server_credentials(config)
     check_port_free(config.grpc_port, "gRPC", "GRPC_PORT")
     check_port_free(config.port, "HTTP", "PORT")
     max_seq_len = config.resolved_max_sequence_length()
+    tokenizer = load_tokenizer(config.model_path)
+    engine = build_engine(engine_config(config, max_seq_len), tokenizer)
+    if engine.scheduler.max_model_len < max_seq_len:
+        logger.warning(
+            "max_sequence_length %d lowered to %d, the engine's limit for this model",
+            max_seq_len,
+            engine.scheduler.max_model_len,
+        )
+        max_seq_len = engine.scheduler.max_model_len
     max_new_tokens = config.effective_max_new_tokens(max_seq_len)
     if max_new_tokens < config.max_new_tokens:
         logger.warning(
@@ -158,8 +183,6 @@ async def serve(config: ServerConfig) -> None:
             config.max_new_tokens,
             max_new_tokens,
         )
-    tokenizer = load_tokenizer(config.model_path)
-    engine = build_engine(engine_config(config, max_seq_len), tokenizer)
     backend = engine.runner.backend
     logger.info(
         "attention: %s on a paged KV cache of %d-token blocks (always paged; FLASH_ATTENTION=%s, "
@@ -205,6 +228,10 @@ async def _serve_with(
     def health() -> bool:
         return worker.healthy or worker.probe(probe_prompt, _HEALTH_PROBE_TIMEOUT_S)
 
+    tracer = None
+    if config.otlp_endpoint:
+        tracer = start_tracing(config.otlp_endpoint, config.otlp_service_name)
+        logger.info("tracing: OTLP spans to %s", config.otlp_endpoint)
     servicer = GenerationServicer(
         worker,
         tokenizer,
@@ -214,6 +241,7 @@ async def _serve_with(
         default_include_stop_seqs=config.default_include_stop_seqs,
         output_special_tokens=config.output_special_tokens,
         max_response_bytes=config.max_response_bytes,
+        tracer=tracer,
     )
     server = grpc.aio.server(
         interceptors=[RequestDecodeGuard()], options=[("grpc.so_reuseport", 0)]
@@ -256,27 +284,38 @@ async def _serve_with(
         if http is not None:
             http.stop()
         servicer.close()
+        if tracer is not None:
+            tracer.shutdown()
     logger.info("shutdown complete")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point; returns the process exit code."""
-    logging.basicConfig(
-        level=os.environ.get("LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stdout,
-    )
+    """Console entry point; returns the process exit code: 2 for an invalid configuration, 1
+    for any other fatal error. Either's message also goes to the termination log
+    (`server.cli.termination_log_path`), as TGIS's launcher writes its panics there."""
+    setup_logging(os.environ.get("LOG_LEVEL", "INFO"), json_output_requested(argv))
     prometheus_client.disable_created_metrics()
+    termination_log, create_log = termination_log_path()
     try:
-        config = ServerConfig.from_env_and_args(argv)
+        launch = parse_launcher(argv)
     except ValueError as e:
-        logger.error("invalid configuration: %s", e)
+        message = f"invalid configuration: {e}"
+        logger.error("%s", message)
+        write_termination_log(message, termination_log, create_log)
         return 2
+    config = launch.config
     logger.info("configuration: %s", config.describe())
+    for warning in launch.warnings:
+        logger.warning("%s", warning)
     try:
         asyncio.run(serve(config))
     except (ValueError, RuntimeError, OSError) as e:
         logger.error("%s", e)
+        write_termination_log(str(e), termination_log, create_log)
+        return 1
+    except Exception as e:
+        logger.exception("fatal error")
+        write_termination_log(f"{type(e).__name__}: {e}", termination_log, create_log)
         return 1
     return 0
 

@@ -97,3 +97,20 @@ def input_size_error(num_bytes: int, max_bytes: int) -> ValidationError:
     return ValidationError(
         f"input text is {num_bytes} UTF-8 bytes, more than the {max_bytes} allowed per input"
     )
+
+
+def unknown_field_error(
+    message_type: str, number: int, path: str, name: str | None
+) -> ValidationError:
+    """A request field this server's proto does not define (sent by a newer client, e.g.
+    vllm-tgis-adapter's adapter_id or guided decoding): refused rather than ignored, since
+    ignoring it would change the output silently. `path` locates the message holding it
+    (empty: the request itself); `name` is the field's name in the proto that defines it, when
+    known."""
+    where = f" in {path}" if path else ""
+    what = f"number {number} of {message_type}"
+    if name:
+        what = f"'{name}' ({what})"
+    return ValidationError(
+        f"unsupported request field {what}{where}: this server does not implement it"
+    )

@@ -1,5 +1,11 @@
 """Prometheus metrics with TGIS's `tgi_*` names (tgis-interface.md §5.2), on a private registry.
 
+Not reported, as their concept does not exist here (README.md, "TLS, health and metrics"):
+`tgi_queue_jump` (admission is strictly FCFS), `tgi_granular_batch_addition` and
+`tgi_prefill_weight_limit_exceeded` (no weight model: admission counts KV blocks, long prompts
+prefill in chunks), `tgi_prefill_padding_limit_exceeded` (batches are not padded) and
+`tgi_prompt_load_duration` (no prompt prefix ever loads).
+
 Counters are exposed both as `name_total` (prometheus_client's convention) and as plain `name`
 (TGIS's exporter), like IBM TGIS main. The registry is per `ServerMetrics`, so several servers
 (or tests) in one process do not collide. Metric updates are thread-safe.
@@ -83,27 +89,9 @@ class ServerMetrics:
             "Steps in which new requests joined a running batch",
             registry=r,
         )
-        self.queue_jump = Counter(
-            "tgi_queue_jump", "Queue jumps (always 0: admission is FCFS)", registry=r
-        )
-        self.granular_batch_addition = Counter(
-            "tgi_granular_batch_addition",
-            "Fine-grained weight admissions (always 0: admission counts KV blocks)",
-            registry=r,
-        )
-        self.prefill_weight_limit_exceeded = Counter(
-            "tgi_prefill_weight_limit_exceeded",
-            "Prefill weight limit hits (always 0: admission counts KV blocks)",
-            registry=r,
-        )
-        self.prefill_padding_limit_exceeded = Counter(
-            "tgi_prefill_padding_limit_exceeded",
-            "Prefill padding limit hits (always 0: batches are unpadded)",
-            registry=r,
-        )
         self.prompt_load_failure = Counter(
             "tgi_prompt_load_failure",
-            "Failed prompt-prefix loads (always 0: prefixes are not supported)",
+            "Failed prompt-prefix (prefix_id) lookups: every one, prefixes are not supported",
             registry=r,
         )
         self.request_preemptions = Counter(
@@ -122,10 +110,6 @@ class ServerMetrics:
             self.batch_inference_success,
             self.batch_inference_failure,
             self.batch_concatenation_count,
-            self.queue_jump,
-            self.granular_batch_addition,
-            self.prefill_weight_limit_exceeded,
-            self.prefill_padding_limit_exceeded,
             self.prompt_load_failure,
             self.request_preemptions,
         ]
@@ -236,12 +220,6 @@ class ServerMetrics:
             registry=r,
         )
         self.queue_size = Gauge("tgi_queue_size", "Queued requests", registry=r)
-        self.prompt_load_duration = Histogram(
-            "tgi_prompt_load_duration",
-            "Prompt-prefix load time (s); never observed",
-            buckets=_DURATION_BUCKETS,
-            registry=r,
-        )
         self.kv_cache_blocks_total = Gauge(
             "tgi_kv_cache_blocks_total", "KV cache blocks in the pool", registry=r
         )
