@@ -62,7 +62,7 @@ def run_level(
         send()
     counts = []
     for name in windows:
-        engine.drafter = drafter if name == "on" else None
+        engine.set_drafter(drafter if name == "on" else None)
         start = time.perf_counter()
         num_tokens = num_spec_steps = 0
         while time.perf_counter() < start + seconds:
@@ -78,7 +78,7 @@ def run_level(
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.drafter = drafter
+    engine.set_drafter(drafter)
     return counts
 
 

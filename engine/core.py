@@ -127,6 +127,17 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
 
+    def set_drafter(self, drafter: Drafter | None) -> None:
+        """Attach, swap or detach (None) the drafter between steps. Drafts proposed for the
+        next step are dropped (unless `drafter` is the one attached): those requests decode it
+        plainly."""
+        if drafter is self.drafter:
+            return
+        if self.drafter is not None:
+            self.drafter.take_trees()
+        self.scheduler.update_draft_token_ids({r.request_id: () for r in self.scheduler.running})
+        self.drafter = drafter
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -244,6 +244,31 @@ def test_sampling_requests_speculate_with_plain_sampling_tokens() -> None:
         assert any(a >= 2 for a in spec.accepted(request_id)), request_id
 
 
+def test_drafter_detached_and_attached_between_steps() -> None:
+    """`set_drafter` between any two steps, drafts pending or not: the same tokens as plain
+    decoding, and speculation resumes once attached again."""
+    path = model_path(TINY)
+    prompts = tiny_prompts(path, 3)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=5)
+    plain = run(make_engine(path), prompts, params)
+    sequences = [p + plain.token_ids[str(i)] for i, p in enumerate(prompts)]
+    engine = make_engine(path, ScriptedProposer(sequences, (4, 2), num_heads=4, n_candidates=2))
+    drafter = engine.drafter
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(3)}
+    num_steps = num_spec_steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            num_spec_steps += out.draft_depth > 0
+        num_steps += 1
+        engine.set_drafter(None if num_steps % 3 == 0 else drafter)
+        engine.scheduler.check_integrity()
+    assert tokens == plain.token_ids
+    assert num_spec_steps > 0 and engine.kv.num_used_blocks == 0
+
+
 def test_chunked_prefill_and_preemption_with_speculation() -> None:
     path = model_path(TINY)
     prompts = tiny_prompts(path, 4)
