@@ -18,7 +18,7 @@ from engine.config import SchedulerConfig
 from engine.hooks import TokenObserver
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelOutput, ModelRunner, SequenceInput
-from engine.request import Request
+from engine.request import PromptPrefix, Request
 from engine.sampling.params import SamplingParams
 from engine.sampling.prompt_logprobs import PromptLogprobs
 from engine.sampling.sampler import Choices, Sampler, TokenLogprobs
@@ -110,7 +110,14 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         time_limit_s: float | None = None,
+        prompt_prefix: PromptPrefix | None = None,
     ) -> None:
+        """Queue a request. With `prompt_prefix` (prompt tuning), its embeddings come before
+        `prompt_token_ids` and count toward the request's length; they must have the model's
+        hidden size (else ValueError; other dtypes and devices are converted), and a request
+        with a prefix cannot ask for `prompt_logprobs` (ValueError)."""
+        if prompt_prefix is not None:
+            prompt_prefix = self._model_prefix(prompt_prefix, params)
         now = time.monotonic()
         self.scheduler.add_request(
             Request(
@@ -120,9 +127,25 @@ class LLMEngine:
                 arrival_time=now,
                 deadline=None if time_limit_s is None else now + time_limit_s,
                 eos_token_ids=self.eos_token_ids,
+                prompt_prefix=prompt_prefix,
             )
         )
         self.sampler.add_request(request_id, params)
+
+    def _model_prefix(self, prefix: PromptPrefix, params: SamplingParams) -> PromptPrefix:
+        """`prefix` in the model's dtype on its device (keeping its key); ValueError for another
+        hidden size or with prompt logprobs."""
+        embeds, runner = prefix.embeds, self.runner
+        hidden = runner.config.hidden_size
+        if embeds.shape[1] != hidden:
+            raise ValueError(
+                f"prompt prefix hidden size {embeds.shape[1]} does not match the model's {hidden}"
+            )
+        if params.prompt_logprobs:
+            raise ValueError("prompt logprobs are not supported with a prompt prefix")
+        if embeds.dtype == runner.dtype and embeds.device.type == runner.device.type:
+            return prefix
+        return PromptPrefix(embeds.to(runner.device, runner.dtype), prefix.key)
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
@@ -283,12 +306,16 @@ class LLMEngine:
                 batch.sampling.append(req)
                 batch.sample_rows.append(batch.num_rows + len(indices) - 1)
             batch.num_rows += len(indices)
+            prefix_embeds = None
+            if req.prompt_prefix is not None and start < req.num_prefix_tokens:
+                prefix_embeds = req.prompt_prefix.embeds[start : start + n]
             batch.inputs.append(
                 SequenceInput(
                     token_ids=list(req.all_token_ids[start : start + n]),
                     num_computed_tokens=start,
                     block_table=block_table,
                     logits_indices=indices,
+                    prefix_embeds=prefix_embeds,
                 )
             )
         return batch

@@ -10,10 +10,12 @@ refuses to cut into a shared block (it would make it partial), see its docstring
 
 Prefix caching (optional): a full block of prompt tokens, once computed, is registered under a
 SHA-256 digest chained over every token before it (so equal digests mean equal prefixes, and a
-crafted prompt cannot collide into another user's blocks). A new sequence whose prompt starts
-with registered blocks takes them (`allocate_cached_prefix`) instead of recomputing them. A
-registered block stays registered while free, until the free queue hands it out again (least
-recently freed first), so free + used == total still holds and cached blocks cost nothing.
+crafted prompt cannot collide into another user's blocks), starting from the sequence's salt
+(empty, or the key of its prompt-tuning prefix, whose placeholder ids are not its content). A
+new sequence whose prompt starts with registered blocks takes them (`allocate_cached_prefix`)
+instead of recomputing them. A registered block stays registered while free, until the free
+queue hands it out again (least recently freed first), so free + used == total still holds and
+cached blocks cost nothing.
 Only blocks the caller declares computed are registered; drafts never are.
 """
 
@@ -241,16 +243,22 @@ class KVCacheManager:
     def _digest(self, parent: bytes, token_ids: Sequence[int]) -> bytes:
         return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
-    def allocate_cached_prefix(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+    def allocate_cached_prefix(
+        self, seq_id: SeqId, token_ids: Sequence[int], salt: bytes = b""
+    ) -> int:
         """Register the new sequence `seq_id` holding the longest registered prefix of
         `token_ids` in whole blocks, leaving at least one token of `token_ids` uncached (the
         model must compute it to sample the next). Returns the number of tokens it holds (0,
-        and nothing registered, without a hit or with prefix caching off)."""
+        and nothing registered, without a hit or with prefix caching off).
+
+        `salt` starts the digest chain: only sequences with equal salts share blocks (a prompt
+        prefix's key, whose placeholder token ids stand for different embeddings). The same
+        salt must be given to `cache_computed_blocks` for this sequence."""
         if seq_id in self._tables:
             raise KVCacheError(f"sequence {seq_id!r} already exists")
         if not self.enable_prefix_caching:
             return 0
-        bs, digest = self._block_size, b""
+        bs, digest = self._block_size, salt
         blocks: list[int] = []
         for i in range((len(token_ids) - 1) // bs):
             digest = self._digest(digest, token_ids[i * bs : (i + 1) * bs])
@@ -268,13 +276,16 @@ class KVCacheManager:
         self.num_prefix_hit_tokens += len(blocks) * bs
         return len(blocks) * bs
 
-    def cache_computed_blocks(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
+    def cache_computed_blocks(
+        self, seq_id: SeqId, token_ids: Sequence[int], salt: bytes = b""
+    ) -> None:
         """Register the full blocks of `seq_id` that hold `token_ids` (its first tokens, whose
-        K/V are computed) for later sequences to share. A no-op with prefix caching off."""
+        K/V are computed) for later sequences to share, under digests chained from `salt` (see
+        `allocate_cached_prefix`). A no-op with prefix caching off."""
         if not self.enable_prefix_caching:
             return
         table, bs = self._table(seq_id), self._block_size
-        done, digest = self._num_hashed.get(seq_id, (0, b""))
+        done, digest = self._num_hashed.get(seq_id, (0, salt))
         n_full = min(len(token_ids) // bs, len(table))
         for i in range(done, n_full):
             digest = self._digest(digest, token_ids[i * bs : (i + 1) * bs])

@@ -14,6 +14,7 @@ from engine.builder import build_engine, load_tokenizer
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.hooks import LogitsRecorder
 from engine.paths import default_model_path
+from engine.request import PromptPrefix
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.proposer import Proposer
 
@@ -102,9 +103,12 @@ class LLM:
         seed: int | None = None,
         ignore_eos: bool = False,
         return_logits: bool = False,
+        prompt_prefix: torch.Tensor | PromptPrefix | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt through the engine's continuous batching: the prompts are
-        prefilled together and decode together. Greedy unless `temperature` > 0."""
+        prefilled together and decode together. Greedy unless `temperature` > 0.
+        `prompt_prefix` (prompt tuning: [virtual tokens, hidden] embeddings, as transformers'
+        `inputs_embeds`) comes before every prompt."""
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -114,6 +118,8 @@ class LLM:
             seed=seed,
             ignore_eos=ignore_eos,
         )
+        if isinstance(prompt_prefix, torch.Tensor):
+            prompt_prefix = PromptPrefix.of(prompt_prefix)
         encoded = [self._encode(p) for p in prompts]
         if any(not ids for ids in encoded):
             raise ValueError("empty prompt")
@@ -125,7 +131,7 @@ class LLM:
             self.engine.observers.append(recorder)
         try:
             for request_id, prompt in zip(ids, encoded, strict=True):
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, None, prompt_prefix)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     tokens[out.request_id] += out.new_token_ids

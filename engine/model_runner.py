@@ -40,7 +40,8 @@ class SequenceInput:
     `token_ids` are written to cache positions `num_computed_tokens + j`. Their RoPE positions are
     `positions` when given (draft trees: depth-based), else consecutive from
     `num_computed_tokens`. `logits_indices` picks which new tokens get logits and hidden states
-    (default: the last one).
+    (default: the last one). `prefix_embeds` (prompt tuning) replace the embeddings of the first
+    `len(prefix_embeds)` tokens, in the space of transformers' `inputs_embeds`.
     """
 
     token_ids: list[int]
@@ -49,6 +50,7 @@ class SequenceInput:
     positions: list[int] | None = None
     tree_mask: torch.Tensor | None = None  # [len(token_ids), len(token_ids)] bool
     logits_indices: list[int] | None = None
+    prefix_embeds: torch.Tensor | None = None  # [K <= len(token_ids), hidden], model dtype
 
 
 @dataclass
@@ -217,6 +219,7 @@ class ModelRunner:
             and s.positions is None
             and s.tree_mask is None
             and s.logits_indices in (None, [0])
+            and s.prefix_embeds is None
             and len(s.block_table) <= graphs.max_blocks_per_seq
             for s in seqs
         )
@@ -254,9 +257,14 @@ class ModelRunner:
         slots: list[int] = []
         rows: list[int] = []
         num_rows: list[int] = []
+        embed_rows: list[int] = []
+        embeds: list[torch.Tensor] = []
         for seq in seqs:
             n, start = len(seq.token_ids), seq.num_computed_tokens
             offset = len(input_ids)
+            if seq.prefix_embeds is not None:
+                embed_rows += range(offset, offset + len(seq.prefix_embeds))
+                embeds.append(seq.prefix_embeds)
             input_ids += seq.token_ids
             positions += seq.positions if seq.positions is not None else range(start, start + n)
             slots += self.slot_mapping(seq.block_table, start, start + n)
@@ -268,8 +276,8 @@ class ModelRunner:
             b for s in seqs for b in s.block_table + [0] * (max_blocks - len(s.block_table))
         ]
         all_rows = len(rows) == len(input_ids) and rows == list(range(len(rows)))
-        ids_d, positions_d, slots_d, tables_d, rows_d = self._to_device(
-            input_ids, positions, slots, block_tables, [] if all_rows else rows
+        ids_d, positions_d, slots_d, tables_d, rows_d, embed_rows_d = self._to_device(
+            input_ids, positions, slots, block_tables, [] if all_rows else rows, embed_rows
         )
         metadata = AttentionMetadata(
             slot_mapping=slots_d,
@@ -280,7 +288,12 @@ class ModelRunner:
             tree_masks=[s.tree_mask for s in seqs],
         )
         self.backend.prepare(metadata)
-        hidden = self.model(ids_d, positions_d, self.kv_caches, metadata)
+        inputs_embeds = None
+        if embeds:
+            inputs_embeds = self.model.embed(ids_d)  # [N, hidden]
+            overrides = self.model.scale_input_embeds(torch.cat(embeds))  # [K, hidden]
+            inputs_embeds.index_copy_(0, embed_rows_d, overrides.to(inputs_embeds.dtype))
+        hidden = self.model(ids_d, positions_d, self.kv_caches, metadata, inputs_embeds)
         if not all_rows:
             hidden = hidden.index_select(0, rows_d)
         logits = self.model.compute_logits(hidden).float()

@@ -7,12 +7,16 @@ scheduler's one rule is to make the first catch up with the last.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import TypeVar, overload
+from typing import TYPE_CHECKING, TypeVar, overload
 
 from engine.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -95,6 +99,43 @@ _FINISH_REASONS: dict[RequestStatus, FinishReason] = {
 }
 
 
+PREFIX_PLACEHOLDER_ID = 0
+"""The token id that stands for a prompt-prefix position in `Request.prompt_token_ids`."""
+
+
+@dataclass(frozen=True, eq=False)
+class PromptPrefix:
+    """Prompt-tuning embeddings fed before a request's prompt tokens (TGIS's `prefix_id`).
+
+    `embeds` are in the model's dtype on its device, in the space of the model's input
+    embedding table (as transformers' `inputs_embeds`). `key` names their content for prefix
+    caching: requests whose prefixes have equal keys share KV blocks, so equal keys must mean
+    equal embeddings (`of` hashes them).
+    """
+
+    embeds: torch.Tensor  # [num_virtual_tokens, hidden]
+    key: bytes
+
+    def __post_init__(self) -> None:
+        if self.embeds.dim() != 2 or self.embeds.shape[0] == 0:
+            shape = tuple(self.embeds.shape)
+            raise ValueError(f"prompt prefix must be [virtual tokens > 0, hidden], got {shape}")
+
+    @classmethod
+    def of(cls, embeds: torch.Tensor) -> PromptPrefix:
+        """`embeds` keyed by a SHA-256 of their dtype, shape and bytes."""
+        import torch  # here, so that the scheduler's modules import without torch
+
+        data = embeds.detach().contiguous().cpu().view(-1).view(torch.uint8)
+        digest = hashlib.sha256(f"prompt-prefix {embeds.dtype} {tuple(embeds.shape)}".encode())
+        digest.update(data.numpy().tobytes())
+        return cls(embeds, digest.digest())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeds.shape[0])
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request.
@@ -105,6 +146,11 @@ class Request:
     when `sampling_params.ignore_eos`; `sampling_params.stop_token_ids` always stop.
     `spec_token_ids` are the draft tokens to verify next step (set via
     `Scheduler.update_draft_token_ids`); the scheduler owns every other mutable field.
+
+    With a `prompt_prefix` of P virtual tokens, the given `prompt_token_ids` are the real
+    prompt: the stored `prompt_token_ids` (and so `all_token_ids`, `num_tokens`, positions)
+    start with P `PREFIX_PLACEHOLDER_ID`s whose embeddings the model takes from the prefix.
+    Whatever reads token ids as text (penalties) skips the first `num_prefix_tokens`.
     """
 
     request_id: str
@@ -117,6 +163,7 @@ class Request:
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    prompt_prefix: PromptPrefix | None = None
     _output_token_ids: list[int] = field(init=False, repr=False, default_factory=list)
     _all_token_ids: list[int] = field(init=False, repr=False, default_factory=list)
 
@@ -124,6 +171,9 @@ class Request:
         self.prompt_token_ids = tuple(self.prompt_token_ids)
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: empty prompt")
+        if self.prompt_prefix is not None:
+            placeholders = (PREFIX_PLACEHOLDER_ID,) * self.prompt_prefix.num_tokens
+            self.prompt_token_ids = placeholders + self.prompt_token_ids
         self._all_token_ids = list(self.prompt_token_ids)
 
     @property
@@ -134,6 +184,18 @@ class Request:
     def all_token_ids(self) -> ConstantList[int]:
         """Prompt + output token ids (no drafts), as a read-only view."""
         return ConstantList(self._all_token_ids)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Virtual tokens of the prompt prefix: the first positions of `prompt_token_ids`."""
+        return 0 if self.prompt_prefix is None else self.prompt_prefix.num_tokens
+
+    @property
+    def cache_salt(self) -> bytes:
+        """What the KV prefix cache mixes into this request's block digests: the prompt
+        prefix's key (empty without one), so placeholder ids of different prefixes never
+        share blocks."""
+        return b"" if self.prompt_prefix is None else self.prompt_prefix.key
 
     @property
     def num_prompt_tokens(self) -> int:

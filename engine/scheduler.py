@@ -180,7 +180,7 @@ class Scheduler:
             req = self.waiting[0]
             if not req.sampling_params.prompt_logprobs:  # those need every prompt position
                 req.num_computed_tokens = self.kv.allocate_cached_prefix(
-                    req.request_id, req.prompt_token_ids
+                    req.request_id, req.prompt_token_ids, req.cache_salt
                 )
             num_new = self._num_new_tokens(req, budget)
             if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
@@ -237,7 +237,7 @@ class Scheduler:
             req.num_computed_tokens += scheduler_output.num_scheduled_tokens[request_id]
             if computed_prompt:  # this step computed prompt tokens: share their full blocks
                 self.kv.cache_computed_blocks(
-                    request_id, req.prompt_token_ids[: req.num_computed_tokens]
+                    request_id, req.prompt_token_ids[: req.num_computed_tokens], req.cache_salt
                 )
             sampled = sampled_token_ids.get(request_id, ())
             if req.num_computed_tokens < req.num_tokens:  # a prefill chunk: nothing to sample

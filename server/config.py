@@ -281,6 +281,22 @@ class ServerConfig:
             "requests instead of recomputing them (true/false)."
         ),
     )
+    prefix_store_path: str | None = field(
+        default=None,
+        metadata=_meta(
+            "Folder of prompt-tuning prefixes, TGIS's prompt store: a request's prefix_id names "
+            "<id>/decoder.pt or <id>.pt (a [virtual tokens, hidden] tensor) or a PEFT "
+            "prompt-tuning folder <id>/ (adapter_model.safetensors or .bin); the id may use "
+            "letters, digits, _, - and / (unset: every prefix_id is not found)."
+        ),
+    )
+    prompt_cache_size_mb: int = field(
+        default=512,
+        metadata=_meta(
+            "Memory for loaded prompt prefixes (in the model's dtype on its device), least "
+            "recently used evicted first; a prefix larger than this is refused, as TGIS does."
+        ),
+    )
     speculator_adaptive: bool = field(
         default=True,
         metadata=_meta(
@@ -319,6 +335,8 @@ class ServerConfig:
         for name in ("max_new_tokens", "max_batch_size", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_cache_size_mb < 0:
+            raise ValueError(f"prompt_cache_size_mb must be >= 0, got {self.prompt_cache_size_mb}")
         if self.max_concurrent_requests < 1:
             raise ValueError(
                 f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core import EngineOutput, LLMEngine
-from engine.request import RequestStatus
+from engine.request import PromptPrefix, RequestStatus
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.policy import Method
 from server.errors import GenerationError
@@ -50,7 +50,8 @@ class RequestTiming:
 @dataclass(frozen=True)
 class Submission:
     """One request for the engine thread. `sink` receives, on the engine thread, every
-    `EngineOutput` of the request (the last one finished) or one exception."""
+    `EngineOutput` of the request (the last one finished) or one exception. `prompt_prefix`
+    embeddings come before `prompt_token_ids` (see `LLMEngine.add_request`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -58,6 +59,7 @@ class Submission:
     time_limit_s: float | None
     sink: Sink
     timing: RequestTiming = field(default_factory=lambda: RequestTiming(time.monotonic()))
+    prompt_prefix: PromptPrefix | None = None
 
 
 class EngineWorker:
@@ -133,7 +135,11 @@ class EngineWorker:
                 for s in arg:
                     try:
                         self.engine.add_request(
-                            s.request_id, s.prompt_token_ids, s.params, s.time_limit_s
+                            s.request_id,
+                            s.prompt_token_ids,
+                            s.params,
+                            s.time_limit_s,
+                            s.prompt_prefix,
                         )
                     except Exception as e:
                         s.sink(GenerationError(str(e)))

@@ -37,17 +37,25 @@ import grpc
 from opentelemetry.trace import Span
 from transformers import PreTrainedTokenizerBase
 
+from engine.request import PromptPrefix
 from server import convert
 from server.config import DEFAULT_MAX_RESPONSE_BYTES
 from server.convert import OutputChunk
 from server.engine_worker import EngineWorker, Submission
 from server.errors import Overloaded, SizeBound, TokenizerFailure
 from server.job import Job, deliver
-from server.messages import clip, prefix_lookup_error, prefix_not_found_reason, tokenizer_error
+from server.messages import (
+    clip,
+    prefix_lookup_error,
+    prefix_not_found_reason,
+    prefix_token_details_error,
+    tokenizer_error,
+)
 from server.metrics import ServerMetrics
 from server.output_tracker import OutputTracker
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
+from server.prefix_store import PrefixStore
 from server.status import handle_errors
 from server.tracing import RequestTracer, SequenceRecord, rpc_span
 from server.validation import (
@@ -68,19 +76,22 @@ OVERLOADED_MSG = "Model is overloaded"
 class PreparedInput:
     """A validated, tokenized input: `input_token_ids` after truncation (their count is the
     reported input_token_count); `prompt_token_ids` go to the model: the same, or a single
-    BOS/EOS for an empty input."""
+    BOS/EOS for an empty input, after the `prompt_prefix`'s embeddings when there is one."""
 
     text: str
     input_token_ids: list[int]
     prompt_token_ids: list[int]
     input_token_count: int
     params: DecodingParams
+    prompt_prefix: PromptPrefix | None = None
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """The RPC handlers. Runs on one event loop; `worker` runs the engine; tokenization runs on
     a pool of `tokenization_workers` threads (default: min(8, CPUs)); `close()` stops it. With a
-    `tracer`, each RPC and each generated sequence gets a span (`server.tracing`)."""
+    `tracer`, each RPC and each generated sequence gets a span (`server.tracing`). A request's
+    `prefix_id` is looked up in `prefixes` on the same pool (without a store, every id is not
+    found, a `tgi_prompt_load_failure`); its virtual tokens count toward the input length."""
 
     def __init__(
         self,
@@ -94,8 +105,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         tokenization_workers: int | None = None,
         tracer: RequestTracer | None = None,
+        prefixes: PrefixStore | None = None,
     ) -> None:
         self.worker = worker
+        self.prefixes = prefixes
         self.tracer = tracer
         self.tokenizer = tokenizer
         self.limits = limits
@@ -131,17 +144,38 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         finally:
             self._in_flight -= n
 
-    def _prepare_all(self, texts: Sequence[str], params: DecodingParams) -> list[PreparedInput]:
-        """`_prepare` each input in order (on the tokenization pool); the first failure raises."""
-        return [self._prepare(text, params) for text in texts]
+    def _prepare_all(
+        self, texts: Sequence[str], params: DecodingParams, prefix_id: str | None = None
+    ) -> list[PreparedInput]:
+        """`_prepare` each input in order (on the tokenization pool) after the prompt prefix
+        `prefix_id`, if any; the first failure raises."""
+        prefix = self._prefix(prefix_id, params)
+        return [self._prepare(text, params, prefix) for text in texts]
 
-    def _prepare(self, text: str, params: DecodingParams) -> PreparedInput:
+    def _prefix(self, prefix_id: str | None, params: DecodingParams) -> PromptPrefix | None:
+        """The prompt prefix `prefix_id` (None: no prefix). ValidationError with TGIS's message
+        when it cannot be loaded, and when the request asks for input token details, which
+        prompt-prefix positions do not have."""
+        if prefix_id is None:
+            return None
+        if self.prefixes is None:
+            self.metrics.prompt_load_failure.inc()
+            raise prefix_lookup_error(prefix_id, prefix_not_found_reason(prefix_id))
+        prefix = self.prefixes.get(prefix_id)
+        if params.input_tokens and convert.wants_token_details(params):
+            raise prefix_token_details_error()
+        return prefix
+
+    def _prepare(
+        self, text: str, params: DecodingParams, prefix: PromptPrefix | None = None
+    ) -> PreparedInput:
         try:
             ids = list(self.tokenizer(text)["input_ids"])
         except Exception as e:
             raise tokenizer_error(str(e)) from e
         self.metrics.request_raw_input_length.observe(len(ids))
-        validated = validate_input(params, len(ids), self.limits)
+        prefix_length = 0 if prefix is None else prefix.num_tokens
+        validated = validate_input(params, len(ids), self.limits, prefix_length)
         self.metrics.request_input_length.observe(validated.input_length)
         truncate = validated.params.truncate_input_tokens
         if truncate:
@@ -150,17 +184,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 ids[0] = self._bos_id
         self.metrics.request_max_new_tokens.observe(validated.params.max_new_tokens)
         prompt = ids or list(self._empty_prompt)
-        return PreparedInput(text, ids, prompt, validated.input_length, validated.params)
-
-    def _check_prefix(
-        self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest
-    ) -> None:
-        """Prompt prefixes (PREFIX_STORE_PATH) are not supported: every prefix_id is unknown,
-        a failed prompt load (`tgi_prompt_load_failure`, as TGIS counts a failed lookup)."""
-        if request.HasField("prefix_id"):
-            self.metrics.prompt_load_failure.inc()
-            reason = prefix_not_found_reason(request.prefix_id)
-            raise prefix_lookup_error(request.prefix_id, reason)
+        return PreparedInput(text, ids, prompt, validated.input_length, validated.params, prefix)
 
     def _tracker(self, inp: PreparedInput) -> OutputTracker:
         include = inp.params.include_stop_sequence
@@ -185,7 +209,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             params = convert.sampling_params(inp.params)
             submissions.append(
                 Submission(
-                    job.request_id, inp.prompt_token_ids, params, time_limit, sink, job.timing
+                    job.request_id,
+                    inp.prompt_token_ids,
+                    params,
+                    time_limit,
+                    sink,
+                    job.timing,
+                    inp.prompt_prefix,
                 )
             )
         self.worker.submit(submissions)
@@ -248,11 +278,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             span.set_attribute("request.inputs", len(request.requests))
             with self._admit(len(request.requests)):
                 params = request_parameters(request, self.limits)
-                self._check_prefix(request)
                 texts = [r.text for r in request.requests]
                 for text in texts:
                     check_input_size(text, self.limits)
-                inputs = await self._off_loop(self._prepare_all, texts, params)
+                prefix_id = request.prefix_id if request.HasField("prefix_id") else None
+                inputs = await self._off_loop(self._prepare_all, texts, params, prefix_id)
                 validation = time.monotonic() - t0
                 self.metrics.request_validation_duration.observe(validation)
                 span.set_attribute("validation_time_s", validation)
@@ -292,9 +322,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self._admit(1),
         ):
             params = request_parameters(request, self.limits)
-            self._check_prefix(request)
             check_input_size(request.request.text, self.limits)
-            inp = await self._off_loop(self._prepare, request.request.text, params)
+            prefix_id = request.prefix_id if request.HasField("prefix_id") else None
+            (inp,) = await self._off_loop(
+                self._prepare_all, [request.request.text], params, prefix_id
+            )
             validation = time.monotonic() - t0
             self.metrics.request_validation_duration.observe(validation)
             span.set_attribute("validation_time_s", validation)

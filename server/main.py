@@ -35,6 +35,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.builder import build_engine, load_tokenizer
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.model_runner import ModelRunner
 from server.cli import json_output_requested, parse_launcher, termination_log_path
 from server.config import ServerConfig
 from server.decode_guard import RequestDecodeGuard
@@ -44,6 +45,7 @@ from server.http_server import HttpServer
 from server.logs import setup_logging, write_termination_log
 from server.metrics import ServerMetrics
 from server.pb import generation_pb2, generation_pb2_grpc
+from server.prefix_store import PrefixStore
 from server.tls import server_credentials
 from server.tracing import start_tracing
 from server.validation import Limits
@@ -160,6 +162,31 @@ def resolve_models(config: ServerConfig) -> ServerConfig:
     return resolved
 
 
+def prefix_store(
+    config: ServerConfig, runner: ModelRunner, metrics: ServerMetrics, max_seq_len: int
+) -> PrefixStore | None:
+    """The prompt store of PREFIX_STORE_PATH (None when unset), for the runner's model:
+    prefixes of up to half of `max_seq_len` virtual tokens (TGIS's MAX_PROMPT_PREFIX_LENGTH
+    default), counted in `metrics`."""
+    if config.prefix_store_path is None:
+        return None
+    logger.info(
+        "prompt prefixes from %s (cache of %d MiB)",
+        config.prefix_store_path,
+        config.prompt_cache_size_mb,
+    )
+    return PrefixStore(
+        config.prefix_store_path,
+        runner.config.hidden_size,
+        runner.dtype,
+        runner.device,
+        max(1, max_seq_len // 2),
+        config.prompt_cache_size_mb,
+        on_load=metrics.prompt_load_duration.observe,
+        on_failure=metrics.prompt_load_failure.inc,
+    )
+
+
 async def serve(config: ServerConfig) -> None:
     """Run the server until SIGTERM or SIGINT."""
     config = resolve_models(config)
@@ -242,6 +269,7 @@ async def _serve_with(
         output_special_tokens=config.output_special_tokens,
         max_response_bytes=config.max_response_bytes,
         tracer=tracer,
+        prefixes=prefix_store(config, worker.engine.runner, metrics, max_seq_len),
     )
     server = grpc.aio.server(
         interceptors=[RequestDecodeGuard()], options=[("grpc.so_reuseport", 0)]

@@ -87,6 +87,14 @@ def prefix_lookup_error(prefix_id: str, reason: str) -> ValidationError:
     )
 
 
+def prefix_token_details_error() -> ValidationError:
+    """Input token details (logprobs, ranks, top tokens) asked for with a prompt prefix: the
+    prefix's virtual tokens have none, and this server does not score the input after them."""
+    return ValidationError(
+        "input token logprobs, ranks and top_n_tokens are not supported with a prefix_id"
+    )
+
+
 def tokenizer_error(detail: str) -> ValidationError:
     """Tokenization of a generation input failed (Tokenize RPC errors are UNKNOWN instead)."""
     return ValidationError(f"tokenizer error {clip(detail)}")

@@ -3,8 +3,7 @@
 Not reported, as their concept does not exist here (README.md, "TLS, health and metrics"):
 `tgi_queue_jump` (admission is strictly FCFS), `tgi_granular_batch_addition` and
 `tgi_prefill_weight_limit_exceeded` (no weight model: admission counts KV blocks, long prompts
-prefill in chunks), `tgi_prefill_padding_limit_exceeded` (batches are not padded) and
-`tgi_prompt_load_duration` (no prompt prefix ever loads).
+prefill in chunks) and `tgi_prefill_padding_limit_exceeded` (batches are not padded).
 
 Counters are exposed both as `name_total` (prometheus_client's convention) and as plain `name`
 (TGIS's exporter), like IBM TGIS main. The registry is per `ServerMetrics`, so several servers
@@ -91,7 +90,13 @@ class ServerMetrics:
         )
         self.prompt_load_failure = Counter(
             "tgi_prompt_load_failure",
-            "Failed prompt-prefix (prefix_id) lookups: every one, prefixes are not supported",
+            "Failed prompt-prefix (prefix_id) lookups: unknown or invalid ids, bad tensors",
+            registry=r,
+        )
+        self.prompt_load_duration = Histogram(
+            "tgi_prompt_load_duration",
+            "Time to load a prompt prefix from PREFIX_STORE_PATH (s), cache misses only",
+            buckets=_DURATION_BUCKETS,
             registry=r,
         )
         self.request_preemptions = Counter(

@@ -91,3 +91,25 @@ def compare_greedy(
         f"and the reference's top-2 gap {gap:.2e} is no near-tie"
     )
     return True
+
+
+def hf_greedy_with_prefix(
+    path: Path, prefix: torch.Tensor, prompt_ids: list[int], max_new_tokens: int
+) -> Reference:
+    """Greedy transformers output for `inputs_embeds` = `prefix` ([virtual tokens, hidden])
+    followed by the embeddings of `prompt_ids` (generate then returns the new tokens only)."""
+    model = hf_model(path)
+    with torch.no_grad():
+        prompt = model.get_input_embeddings()(torch.tensor([prompt_ids]))
+        embeds = torch.cat([prefix.float()[None], prompt], dim=1)  # [1, P + n, hidden]
+        out = model.generate(
+            inputs_embeds=embeds,
+            attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=model.generation_config.eos_token_id,
+        )
+    return Reference(out.sequences[0].tolist(), [step[0].float() for step in out.logits])

@@ -185,14 +185,22 @@ class LlamaModel(nn.Module):
         rows = self.lm_head.embedding_rows(input_ids)
         return rows if self.embed_scale is None else rows.mul_(self.embed_scale)
 
+    def scale_input_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        """[K, hidden] input embeddings as transformers' `inputs_embeds` (rows of the input
+        embedding table's space) -> what `embed` returns for such rows: times
+        embedding_multiplier."""
+        multiplier = self.config.embedding_multiplier
+        return embeds if multiplier == 1 else embeds * multiplier
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [N]
         positions: torch.Tensor,  # [N]
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [N, hidden]: replaces embed(input_ids)
     ) -> torch.Tensor:  # [N, hidden]: final-norm hidden states
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary.prepare(positions, attn_metadata.max_position, self.kernels is None)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -184,7 +184,9 @@ class Sampler:
             [self._seeds.get(r.request_id) for r in reqs],
             [r.num_tokens + len(e) for r, e in zip(reqs, emitted, strict=True)],
             [
-                [*r.all_token_ids, *e] if r.sampling_params.repetition_penalty != 1.0 else ()
+                [*r.all_token_ids[r.num_prefix_tokens :], *e]
+                if r.sampling_params.repetition_penalty != 1.0
+                else ()
                 for r, e in zip(reqs, emitted, strict=True)
             ],
         )

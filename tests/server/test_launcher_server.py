@@ -328,7 +328,6 @@ def test_prompt_load_failures_are_counted(server: Server) -> None:
         "tgi_granular_batch_addition",
         "tgi_prefill_weight_limit_exceeded",
         "tgi_prefill_padding_limit_exceeded",
-        "tgi_prompt_load_duration",
     ):
         assert name not in text
 

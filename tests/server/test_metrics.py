@@ -55,6 +55,7 @@ REFERENCE_METRICS = [
     ("tgi_batch_max_remaining_tokens", "gauge"),
     ("tgi_queue_size", "gauge"),
     ("tgi_prompt_load_failure", "counter"),
+    ("tgi_prompt_load_duration", "histogram"),
     ("tgi_tokenize_request_count", "counter"),
     ("tgi_tokenize_request_input_count", "counter"),
     ("tgi_tokenize_request_tokens", "histogram"),
@@ -66,7 +67,6 @@ NOT_REPORTED = [
     "tgi_granular_batch_addition",
     "tgi_prefill_weight_limit_exceeded",
     "tgi_prefill_padding_limit_exceeded",
-    "tgi_prompt_load_duration",
 ]
 """§5.2 metrics whose concept does not exist here (README.md lists them and why)."""
 
