@@ -13,6 +13,7 @@ import torch
 from engine.models.llama import LlamaConfig
 from engine.paths import model_path
 from engine.spec_decode.loader import load_speculator
+from tests.families import checkpoint
 from tests.reference import require_model
 from training.data import TEACHER_TOP_K, AnswerSettings, DataBuilder, SpeculatorData
 from training.evaluate import evaluate_speculator
@@ -383,3 +384,22 @@ def test_answer_rows_match_a_prefill_pass_over_the_same_sequences(
             rows.teacher_logprobs, reference.teacher_logprobs[:n], atol=1e-4, rtol=1e-4
         )
     builder.close()
+
+
+@pytest.mark.parametrize("variant", ["granite-untied", "mistral", "qwen2"])
+def test_trains_and_serves_for_each_model_family(variant: str, tmp_path: Path) -> None:
+    """Data from the engine, a short training and the offline evaluation (the speculator
+    drafting and its trees verified) run unchanged on every family's checkpoint."""
+    path = checkpoint(variant)
+    settings = AnswerSettings(max_new_tokens=8, sampled_fraction=0.0, batch_size=2, chunk_size=2)
+    prompts = ["Tell me about the sea.", "Count to five."]
+    builder = DataBuilder(path, tmp_path / "data", settings=settings, progress=quiet)
+    data = builder.answers(prompts)
+    builder.close()
+    assert data.states.shape == (len(data), LlamaConfig.from_folder(path).hidden_size)
+    spec = TrainSettings(inner_dim=32, epochs=1, batch_size=16)
+    model = build(path, read_base_matrices(path), spec)
+    train_speculator(model, [data], spec, log=quiet)
+    folder = save_speculator(model.export(), tmp_path / "spec")
+    stats = evaluate_speculator(path, folder, prompts, max_new_tokens=6, batch_size=2)
+    assert stats.generated_tokens == 12 and stats.num_steps > 0
