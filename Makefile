@@ -102,6 +102,10 @@ bench-spec-onoff: models ## Speculation on vs off in one engine, alternating 2.5
 	$(PY) -m bench.spec_onoff --speculator $(or $(SPECULATOR),$(DEFAULT_SPECULATOR)) \
 		$(if $(TEMPERATURE),--temperature $(TEMPERATURE)) $(if $(TOP_P),--top-p $(TOP_P))
 
+.PHONY: bench-spec-sampled
+bench-spec-sampled: models gen-proto ## Seeded sampling, speculation on vs off: identical tokens offline and via gRPC for 3 models, random/scripted/trained speculators
+	$(PY) -m bench.spec_sampled_equality
+
 .PHONY: gpu-check
 gpu-check: ## Prove the CUDA path in one run (<8 min) with the system python3, no venv; GPU_CHECK_ARGS="--device cpu --small" dry-runs it
 	$(PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)

@@ -51,6 +51,11 @@ def keyed_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (bits.float() + 0.5) / float(1 << 23)  # 23 bits: 1 - 2**-24 is a float32 below 1
 
 
+def keyed_gumbel(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[M] keys -> [M, vocab] float32 standard Gumbel noise, one per (key, token id)."""
+    return -torch.log(-torch.log(keyed_uniform(keys, vocab_size)))
+
+
 def keyed_sample(
     scores: torch.Tensor,  # [M, vocab] processed scores (-inf where filtered out)
     seeds: list[int],  # [M]
@@ -58,5 +63,5 @@ def keyed_sample(
 ) -> torch.Tensor:  # [M] int64 token ids, on the scores' device
     """One draw per row from softmax(scores), keyed by (seed, position)."""
     keys = row_keys(seeds, positions, scores.device)
-    gumbel = -torch.log(-torch.log(keyed_uniform(keys, scores.shape[-1])))
+    gumbel = keyed_gumbel(keys, scores.shape[-1])
     return (scores.float() + gumbel).argmax(dim=-1)
