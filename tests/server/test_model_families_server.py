@@ -1,6 +1,7 @@
-"""The server on each model family's tiny checkpoint (tests/families.py): greedy tokens through
-gRPC equal transformers', Mistral's max_sequence_length is capped at its sliding window, and a
-config.json the engine cannot serve ends start-up with one clear error line and exit code 1."""
+"""The server on each model family's tiny checkpoint (tests/families.py), a random speculator
+drafting: greedy tokens through gRPC equal transformers', Mistral's max_sequence_length is
+capped at its sliding window, and a config.json the engine cannot serve ends start-up with one
+clear error line and exit code 1."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from server.pb import generation_pb2_grpc
 from tests.families import MAX_NEW_TOKENS, MAX_POSITIONS, SLIDING_WINDOW, checkpoint, retype
 from tests.reference import compare_greedy, hf_greedy
 from tools.server_process import ServerProcess
+from tools.tiny_speculator import write_tiny_speculator
 from training.prompts import CHAT_PROMPTS, chat_texts
 
 NUM_PROMPTS = 2
@@ -33,7 +35,12 @@ def test_greedy_over_grpc_matches_transformers(variant: str, tmp_path: Path) -> 
     )
     texts = chat_texts(tokenizer, CHAT_PROMPTS[:NUM_PROMPTS])
     requests = [pb.GenerationRequest(text=text) for text in texts]
-    env = {"KV_CACHE_BLOCKS": "64"}
+    speculator = write_tiny_speculator(tmp_path / "speculator", path, n_predict=3)
+    env = {
+        "KV_CACHE_BLOCKS": "64",
+        "SPECULATOR_PATH": str(speculator),
+        "SPECULATOR_ADAPTIVE": "false",
+    }
     with ServerProcess(path, env=env, log_path=tmp_path / "server.log") as server:
         with grpc.insecure_channel(server.grpc_target) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
@@ -42,6 +49,7 @@ def test_greedy_over_grpc_matches_transformers(variant: str, tmp_path: Path) -> 
             )
             info = stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
         log = server.log_text()
+        assert server.metric('tgi_spec_steps_total{method="greedy"}', 0.0) > 0
     for text, result in zip(texts, response.responses, strict=True):
         ref = hf_greedy(path, tuple(tokenizer(text)["input_ids"]), MAX_NEW_TOKENS)
         compare_greedy(tokenizer.convert_tokens_to_ids([t.text for t in result.tokens]), ref)
