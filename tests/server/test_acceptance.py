@@ -238,15 +238,15 @@ def test_prompt_larger_than_the_free_kv_pool_waits(small_server: ServerProcess) 
 
     async def timed_stream(
         stub: Any, text: str, params: dict[str, Any]
-    ) -> tuple[float, float, Result]:
-        """(time of the first generated-token message, time of the last, result)."""
+    ) -> tuple[list[float], Result]:
+        """(arrival of each generated-token message, result)."""
         call = stub.GenerateStream(single_request(text, params), timeout=TIMEOUT_S)
-        messages, first_token_at = [], 0.0
+        messages, arrivals = [], []
         async for m in call:
             messages.append(m)
-            if len(messages) == 2:
-                first_token_at = time.monotonic()
-        return first_token_at, time.monotonic(), stream_result(messages)
+            if m.generated_token_count:
+                arrivals.append(time.monotonic())
+        return arrivals, stream_result(messages)
 
     async def scenario(stub: Any) -> Any:
         big_alone = await stream(stub, big_text, big_params)
@@ -259,12 +259,15 @@ def test_prompt_larger_than_the_free_kv_pool_waits(small_server: ServerProcess) 
         done = [await b for b in blockers]
         return big_alone, blocker_alone, big, done
 
-    big_alone, blocker_alone, (big_first_token, _, big), blockers = run(scenario, small_server)
+    big_alone, blocker_alone, (big_arrivals, big), blockers = run(scenario, small_server)
     assert big == big_alone
-    assert all(result == blocker_alone for _, _, result in blockers)
+    assert all(result == blocker_alone for _, result in blockers)
     assert big.generated_token_count == 20
-    blockers_done = min(done for _, done, _ in blockers)
-    assert big_first_token > blockers_done, "the big prompt did not wait for the blockers"
+    # Admitted early, the big prompt's first token would come with the blockers' first ones.
+    # The clients' event loop may deliver messages of different streams a few steps out of
+    # order on a busy host, so the check is against a blocker's 60th token of 64.
+    blockers_nearly_done = min(arrivals[59] for arrivals, _ in blockers)
+    assert big_arrivals[0] > blockers_nearly_done, "the big prompt did not wait for the blockers"
     assert small_server.metric("tgi_request_queue_duration_count") >= 4
     wait_for_metric(small_server, "tgi_kv_cache_blocks_used", 0)
 
