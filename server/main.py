@@ -16,13 +16,11 @@ after stopping whatever had started.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import signal
-import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -45,6 +43,7 @@ from server.http_server import HttpServer
 from server.logs import setup_logging, write_termination_log
 from server.metrics import ServerMetrics
 from server.pb import generation_pb2, generation_pb2_grpc
+from server.ports import add_grpc_port, bind_http, check_port_free
 from server.prefix_store import PrefixStore
 from server.tls import server_credentials
 from server.tracing import start_tracing
@@ -54,10 +53,6 @@ logger = logging.getLogger("specserve")
 
 _HEALTH_PROBE_TIMEOUT_S = 60.0
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-
-
-class StartupError(RuntimeError):
-    """Start-up cannot go on; the message is the one line logged before exiting 1."""
 
 
 _SETTLE_TIMEOUT_S = 2.0
@@ -72,52 +67,6 @@ async def _settle(timeout: float) -> None:
     others = [t for t in asyncio.all_tasks() if t is not current]
     if others:
         await asyncio.wait(others, timeout=timeout)
-
-
-def port_in_use_error(what: str, port: int, variable: str, detail: str) -> StartupError:
-    return StartupError(f"{what} port {port} ({variable}) is already in use: {detail}")
-
-
-def check_port_free(port: int, what: str, variable: str, host: str = "0.0.0.0") -> None:
-    """Raise StartupError when something listens on `port` (0: nothing to check). Binds a
-    throwaway socket with SO_REUSEADDR, as the servers do: on Linux that fails only when the
-    port has a listener, not for connections lingering in TIME_WAIT."""
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            raise port_in_use_error(what, port, variable, e.strerror or str(e)) from None
-
-
-def add_grpc_port(
-    server: grpc.aio.Server, port: int, credentials: grpc.ServerCredentials | None
-) -> int:
-    """Bind the gRPC port; StartupError naming GRPC_PORT when it cannot be bound (grpc returns
-    0 or raises RuntimeError, depending on its version)."""
-    address = f"0.0.0.0:{port}"
-    try:
-        if credentials is None:
-            bound = server.add_insecure_port(address)
-        else:
-            bound = server.add_secure_port(address, credentials)
-    except RuntimeError as e:
-        raise port_in_use_error("gRPC", port, "GRPC_PORT", str(e)) from None
-    if bound == 0:
-        raise port_in_use_error("gRPC", port, "GRPC_PORT", "grpc could not bind it")
-    return bound
-
-
-def bind_http(port: int, health: Callable[[], bool], metrics: ServerMetrics) -> HttpServer:
-    """The HTTP server bound to `port` (not serving yet); StartupError naming PORT."""
-    try:
-        return HttpServer("0.0.0.0", port, health, metrics)
-    except OSError as e:
-        if e.errno != errno.EADDRINUSE:
-            raise StartupError(f"HTTP port {port} (PORT) cannot be bound: {e}") from None
-        raise port_in_use_error("HTTP", port, "PORT", e.strerror or str(e)) from None
 
 
 def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfig:

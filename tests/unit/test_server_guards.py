@@ -11,8 +11,8 @@ import pytest
 
 from server.decode_guard import _RateLimitedWarning
 from server.errors import ResponseTooLarge, SizeBound
-from server.main import StartupError, check_port_free
 from server.pb import generation_pb2 as pb
+from server.ports import StartupError, check_port_free
 
 
 def test_size_bound() -> None:
