@@ -7,6 +7,8 @@ draft vocabulary when it has one) or a random one of the same shape over the who
 `--worst-case` uses five disjoint paths instead (16 rows). The speculator's own drafting time is
 reported too. With `--temperature`, the speculator's tokens per verified tree on the held-out
 prompts is reported for greedy decoding and for sampling at that temperature and `--top-p`.
+Last, one pass over the model's linear layers at 1, 4, 8 and 16 rows: with the kernels the engine
+chose, and with the "rows" kernel (engine/kernels/rows_gemm.c) on every layer.
 
     python -m bench.bench_verify [--model PATH] [--speculator PATH] [--top-k 5 3 2]
                                  [--candidates 5] [--temperature 0.7 --top-p 0.9]
@@ -17,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench.common import best_of, engine_step, interleaved_min, matmul_floor
 from engine import LLM
+from engine.kernels.matmul import KERNELS
 from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
 from engine.spec_decode.loader import load_speculator
@@ -34,6 +38,34 @@ from training.evaluate import evaluate_speculator
 from training.prompts import CHAT_PROMPTS, chat_prompt_ids, eval_prompts
 
 RESULTS = Path(__file__).parent / "results" / "verify.json"
+PASS_ROWS = (1, 4, 8, 16)
+
+
+def matmul_pass_ms(llm: LLM, repeats: int) -> dict[int, dict[str, float]]:
+    """Milliseconds of one pass over the model's linear layers per row count in `PASS_ROWS`:
+    "chosen" with the engine's kernels, "rows" with the "rows" kernel built on every layer
+    (absent where it cannot serve them). The variants are timed in turn."""
+    linears = llm.runner.model.linears()
+    spec = KERNELS["rows"]
+    rows_fns = (
+        [spec.build(lin, {}) for lin in linears] if all(map(spec.supports, linears)) else None
+    )
+    fns: dict[str, Callable[[], object]] = {}
+    for m in PASS_ROWS:
+        fns[f"chosen{m}"] = matmul_floor(llm, m)
+        if rows_fns is not None:
+            inputs = [torch.randn(m, lin.in_features) for lin in linears]  # [M, in] per layer
+
+            def rows_pass(inputs: list[torch.Tensor] = inputs) -> None:
+                for fn, x in zip(rows_fns, inputs, strict=True):
+                    fn(x)
+
+            fns[f"rows{m}"] = rows_pass
+    times = interleaved_min(fns, repeats)
+    return {
+        m: {kind: times[f"{kind}{m}"] * 1e3 for kind in ("chosen", "rows") if f"{kind}{m}" in times}
+        for m in PASS_ROWS
+    }
 
 
 def main() -> None:
@@ -160,6 +192,13 @@ def main() -> None:
             result[f"tokens_per_step_{'sampled' if temperature else 'greedy'}"] = (
                 stats.tokens_per_step
             )
+    passes = matmul_pass_ms(llm, args.repeats)
+    print("one pass over the linear layers, ms:")
+    print(f"  {'rows':>4} {'chosen kernels':>15} {'rows kernel':>12}")
+    for m, cell in passes.items():
+        rows_ms = f"{cell['rows']:>12.2f}" if "rows" in cell else f"{'-':>12}"
+        print(f"  {m:>4} {cell['chosen']:>15.2f} {rows_ms}")
+    result["matmul_pass_ms"] = {str(m): cell for m, cell in passes.items()}
     tmp.cleanup()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,10 +1,13 @@
-"""ctypes bindings of `cpu_kernels.c`: fused float32 CPU kernels for the decoder's glue and for
-attention over the paged KV cache.
+"""ctypes bindings of the C kernels: `cpu_kernels.c`, fused float32 CPU kernels for the decoder's
+glue and for attention over the paged KV cache, and `rows_gemm.c`, a float32 matrix product for
+few rows (`RowsGemm`, served as the "rows" linear kernel by `engine.kernels.matmul`).
 
-The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) for this CPU
+Each C file is compiled on first use with the system C compiler (`$CC`, else `cc`) for this CPU
 (`-march=native`) into `$SPECSERVE_HOME/kernels/`, keyed by the source, the flags and the CPU, so
-a later process loads it without compiling. Without a compiler `load_cpu_kernels` returns None and
-the model runs the same maths as ATen ops (`engine/models/llama.py`, `TorchAttentionBackend`).
+a later process loads it without compiling (`load_library`). Without a compiler
+`load_cpu_kernels` returns None and the model runs the same maths as ATen ops
+(`engine/models/llama.py`, `TorchAttentionBackend`); `load_rows_gemm` returns None and the "rows"
+kernel is not offered.
 
 Why: op by op in ATen, the glue between a layer's matrix products is many small ops, each paying
 a dispatch cost larger than its arithmetic on decode-sized tensors. These kernels make that glue 4
@@ -25,8 +28,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -35,7 +39,14 @@ from engine.paths import specserve_home
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ROWS_SOURCE = Path(__file__).with_name("rows_gemm.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
+# Extra flags per `load_rows_gemm` variant: its instruction-set path is chosen at compile time.
+ROWS_VARIANTS: dict[str, tuple[str, ...]] = {
+    "native": ("-pthread",),
+    "avx2": ("-pthread", "-mno-avx512f"),
+    "scalar": ("-pthread", "-DSPECSERVE_SCALAR"),
+}
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -118,13 +129,16 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _compile(compiler: str, target: Path) -> None:
-    """Build the library into `target`, atomically (a concurrent process may do the same)."""
+def _compile(
+    compiler: str, target: Path, source: Path = SOURCE, extra_flags: Sequence[str] = ()
+) -> None:
+    """Build `source` into the library `target`, atomically (a concurrent process may do the
+    same)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        cmd = [compiler, *CFLAGS, *extra_flags, "-o", tmp, str(source), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
@@ -135,25 +149,143 @@ def _compile(compiler: str, target: Path) -> None:
 
 
 @functools.cache
+def load_library(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The C file `source` compiled with `CFLAGS` + `extra_flags` for this CPU, building it on
+    first use (cached per process, and on disk under `$SPECSERVE_HOME/kernels`).
+
+    Raises RuntimeError where no C compiler works or the platform is not Linux/macOS (or the
+    build fails), OSError if the library cannot be loaded, subprocess.TimeoutExpired if the
+    build hangs.
+    """
+    compiler = shutil.which(os.environ.get("CC") or "cc")
+    if compiler is None or os.name != "posix":
+        raise RuntimeError("no C compiler found")
+    flags = " ".join((*CFLAGS, *extra_flags))
+    key = hashlib.sha256(
+        source.read_bytes() + flags.encode() + _cpu_signature().encode()
+    ).hexdigest()[:16]
+    target = specserve_home() / "kernels" / f"{source.stem}-{key}.so"
+    if not target.exists():
+        try:
+            _compile(compiler, target, source, extra_flags)
+        except OSError:  # read-only home: build in a private temp folder instead
+            target = Path(tempfile.mkdtemp(prefix="specserve-kernels-")) / target.name
+            _compile(compiler, target, source, extra_flags)
+    return ctypes.CDLL(str(target))
+
+
+@functools.cache
 def load_cpu_kernels() -> CpuKernels | None:
     """The compiled kernels for this CPU, building them on first use; None (with a warning)
     where no C compiler works or the platform is not Linux/macOS."""
-    compiler = shutil.which(os.environ.get("CC") or "cc")
-    if compiler is None or os.name != "posix":
-        logger.warning("no C compiler found: CPU glue and attention run as ATen ops (slower)")
-        return None
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode()
-    ).hexdigest()[:16]
-    target = specserve_home() / "kernels" / f"cpu_kernels-{key}.so"
     try:
-        if not target.exists():
-            try:
-                _compile(compiler, target)
-            except OSError:  # read-only home: build in a private temp folder instead
-                target = Path(tempfile.mkdtemp(prefix="specserve-kernels-")) / target.name
-                _compile(compiler, target)
-        return CpuKernels(ctypes.CDLL(str(target)))
-    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        return CpuKernels(load_library(SOURCE))
+    except RuntimeError as e:
+        if "no C compiler" in str(e):
+            logger.warning("no C compiler found: CPU glue and attention run as ATen ops (slower)")
+        else:
+            logger.warning("CPU kernels unavailable, using ATen ops: %s", e)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as e:
         logger.warning("CPU kernels unavailable, using ATen ops: %s", e)
+        return None
+
+
+class RowsGemm:
+    """`rows_gemm.c`: y [M, out] = x [M, in] @ W^T (+ bias) in float32 for few rows, on a
+    process-wide pool of threads (the caller plus ``threads - 1`` workers).
+
+    ``pack`` copies a layer's W^T into the panel layout the kernel streams; ``matmul`` runs on
+    such a copy. ``isa`` names the compiled path: "avx512", "avx2" or "scalar". Calls from
+    several Python threads are serialised inside the library.
+    """
+
+    PANEL = 16  # columns per packed panel
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for name, argtypes, restype in [
+            ("rows_gemm", [_P, _I, _P, _P, _P, _I, _I, _I], ctypes.c_int),
+            ("rows_gemm_pack", [_P, _I, _I, _I, _P], None),
+            ("rows_gemm_packed_size", [_I, _I], _I),
+            ("rows_gemm_set_threads", [ctypes.c_int], None),
+            ("rows_gemm_get_threads", [], ctypes.c_int),
+            ("rows_gemm_set_spin_us", [_I], None),
+            ("rows_gemm_set_chunk_bytes", [_I], None),
+            ("rows_gemm_set_group_rows", [ctypes.c_int], None),
+            ("rows_gemm_isa", [], ctypes.c_char_p),
+        ]:
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = restype
+        self._run = lib.rows_gemm
+        self.isa: str = lib.rows_gemm_isa().decode()
+
+    @property
+    def threads(self) -> int:
+        """Threads per call, the caller included."""
+        return int(self.lib.rows_gemm_get_threads())
+
+    def set_threads(self, n: int) -> None:
+        """Threads per call, the caller included (clamped to 1..256); workers start lazily."""
+        self.lib.rows_gemm_set_threads(n)
+
+    def set_spin_us(self, us: int) -> None:
+        """How long an idle worker spins for the next call before it sleeps."""
+        self.lib.rows_gemm_set_spin_us(us)
+
+    def set_chunk_bytes(self, nbytes: int) -> None:
+        """Weight bytes per unit of work that the threads claim."""
+        self.lib.rows_gemm_set_chunk_bytes(nbytes)
+
+    def set_group_rows(self, rows: int) -> None:
+        """Rows per pass over the weights (clamped to 1..the path's tile limit); more rows are
+        served in equal groups, the later ones reading the weights from cache."""
+        self.lib.rows_gemm_set_group_rows(rows)
+
+    def pack(self, wt: torch.Tensor) -> torch.Tensor:
+        """W^T [in, out] float32 (last dim contiguous) -> packed copy, [ceil(out/16), in, 16]
+        contiguous, the last panel zero-padded."""
+        k, n = wt.shape
+        panels = -(-n // self.PANEL)
+        packed = torch.empty((panels, k, self.PANEL), dtype=torch.float32)  # [P, in, 16]
+        self.lib.rows_gemm_pack(wt.data_ptr(), wt.stride(0), k, n, packed.data_ptr())
+        return packed
+
+    def pad_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        """bias [out] -> [ceil(out/16) * 16], zero-padded, as ``matmul`` reads it."""
+        n = bias.shape[0]
+        out = torch.zeros(-(-n // self.PANEL) * self.PANEL, dtype=torch.float32)
+        out[:n] = bias
+        return out
+
+    def matmul(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, in] float32 (M >= 1) @ W^T -> y [M, n] float32, W packed by ``pack`` (n = out
+        features); plus ``bias`` from ``pad_bias`` when given."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
+        rc = self._run(
+            x.data_ptr(), x.stride(0), packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("rows_gemm: no memory for a copy of x")
+        return y
+
+
+@functools.cache
+def load_rows_gemm(
+    variant: Literal["native", "avx2", "scalar"] = "native",
+) -> RowsGemm | None:
+    """`rows_gemm.c` built for this CPU ("native": AVX-512 or AVX2 as the CPU has them),
+    without AVX-512 ("avx2", on a CPU that has AVX2) or as portable C ("scalar"); None (logged)
+    where it cannot be built or loaded."""
+    try:
+        return RowsGemm(load_library(ROWS_SOURCE, ROWS_VARIANTS[variant]))
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        logger.warning("rows_gemm (%s) unavailable: %s", variant, e)
         return None

@@ -10,6 +10,11 @@ On CPU the weight is stored transposed, ``W^T`` as ``[in, out]`` contiguous: Ope
 onnxruntime's MLAS read that layout fastest; oneDNN and MKL read it as a transposed ``[out, in]``
 view.
 
+The "rows" kernel (`engine/kernels/rows_gemm.c`, for 1 to 16 rows; more in passes) reads a copy
+of W^T packed into 16-column panels, made when the kernel is built for a layer: that copy exists
+only for layers where the kernel was built and is still referenced (chosen by selection, or held by
+a caller), and it does not see later changes to the layer's weights, so build it after loading.
+
 Kernels are for inference only: inputs must not require grad. A kernel is not safe for
 concurrent calls from several threads (the MLAS kernel reuses one onnxruntime binding per layer).
 """
@@ -180,6 +185,34 @@ def _build_mlas(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
     return run
 
 
+def _build_rows(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
+    from engine.kernels.cpu import load_rows_gemm
+
+    lib = load_rows_gemm()
+    if lib is None:
+        raise RuntimeError("rows_gemm.c could not be built")
+    if "rows_threads" not in shared:  # process-wide setting, applied once per build batch
+        shared["rows_threads"] = torch.get_num_threads()
+        lib.set_threads(shared["rows_threads"])
+    n = layer.out_features
+    packed = lib.pack(layer.storage)  # [ceil(out/16), in, 16], a copy of W^T [in, out]
+    bias = None if layer.bias is None else lib.pad_bias(layer.bias)  # [ceil(out/16) * 16]
+    matmul = lib.matmul
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return matmul(x, packed, n, bias)  # [M, out]
+
+    return run
+
+
+def _has_rows_gemm(layer: MatmulLayer) -> bool:
+    if not (_cpu_fp32(layer) and layer.storage.device.type == "cpu"):
+        return False
+    from engine.kernels.cpu import load_rows_gemm
+
+    return load_rows_gemm() is not None
+
+
 def _has_onnxruntime(layer: MatmulLayer) -> bool:
     try:
         import onnxruntime  # noqa: F401
@@ -206,6 +239,12 @@ KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
         ),
         "mlas": KernelSpec(
             "mlas", "onnxruntime MatMul (MLAS) on W^T", _has_onnxruntime, _build_mlas
+        ),
+        "rows": KernelSpec(
+            "rows",
+            "rows_gemm.c on packed W^T panels, torch.get_num_threads() threads",
+            _has_rows_gemm,
+            _build_rows,
         ),
     }
 )

@@ -42,7 +42,7 @@ def available(layer: Linear) -> list[str]:
 
 def test_cpu_fp32_has_all_kernels() -> None:
     layer = Linear(8, 8, dtype=torch.float32, device="cpu")
-    assert set(available(layer)) == {"torch", "onednn", "openblas", "mlas"}
+    assert set(available(layer)) == {"torch", "onednn", "openblas", "mlas", "rows"}
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -1,0 +1,497 @@
+/*
+ * float32 matrix product for few rows: y[M, N] = x[M, K] @ W^T[K, N] (+ bias[N]).
+ *
+ * The weights are packed once (`rows_gemm_pack`) into column panels of PANEL = 16 floats,
+ * [ceil(N / 16)][K][16] contiguous, the last panel zero-padded. A tile of MR rows and NB panels
+ * keeps MR x NB panel-wide accumulators in registers and streams each panel once: every weight is
+ * loaded once per pass for all rows of the pass, and each output is accumulated in float32 in k
+ * order (one fused multiply-add per k on the vector paths). A pass takes up to `group_rows` rows
+ * (MR_MAX at most: 16 on AVX-512); more rows are served in equal groups that run over the same
+ * chunk of panels one after another, the later groups reading its weights from cache. x is first
+ * copied, per group, into [K][rows] so that a tile broadcasts its rows from one stream.
+ *
+ * Path, chosen at compile time: AVX-512F when the compiler targets it, else AVX2 with FMA, else
+ * portable C (also forced by -DSPECSERVE_SCALAR).
+ *
+ * Threads: the panels are cut into chunks that the calling thread and a persistent pool of
+ * workers claim from one atomic counter. Between calls a worker spins for `spin_us`
+ * microseconds, then sleeps on a condition variable (no OpenMP runtime). The pool is process-wide:
+ * concurrent `rows_gemm` calls from several threads are serialised by a mutex. Worker threads
+ * are not inherited by a forked child; the child starts its own on its first call.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if !defined(SPECSERVE_SCALAR) && defined(__AVX512F__)
+#define ROWS_AVX512 1
+#include <immintrin.h>
+#elif !defined(SPECSERVE_SCALAR) && defined(__AVX2__) && defined(__FMA__)
+#define ROWS_AVX2 1
+#include <immintrin.h>
+#endif
+
+#define PANEL 16
+/* Weights are prefetched this many k steps (of one 64-byte line per panel) ahead. */
+#define PREFETCH 32
+#define MAX_THREADS 256
+
+/* ---------------------------------------------------------------------------------------------
+ * Tiles: MR rows of x times NB panels starting at `w` (panel j at w + j * k * PANEL), written to
+ * y[MR][ncols] with row stride ldy, ncols <= NB * PANEL (the rest of the last panel is padding).
+ * `bias` is NULL or points at NB * PANEL readable floats (the padded bias).
+ * ------------------------------------------------------------------------------------------- */
+
+typedef void (*tile_fn)(const float *x, const float *w, int64_t k, const float *bias, float *y,
+                        int64_t ldy, int64_t ncols);
+
+#if defined(ROWS_AVX512)
+#define ISA_NAME "avx512"
+#define MR_MAX 16
+#define GROUP_ROWS 8 /* default rows per pass over the weights (rows_gemm_set_group_rows) */
+
+#define TILE_BODY(MR, NB) \
+ \
+    __m512 acc[MR][NB]; \
+_Pragma("GCC unroll 16") \
+    for (int i = 0; i < MR; i++) { \
+_Pragma("GCC unroll 8") \
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps(); \
+    } \
+    const int64_t ps = k * PANEL; \
+    for (int64_t kk = 0; kk < k; kk++) { \
+        __m512 wv[NB]; \
+_Pragma("GCC unroll 8") \
+        for (int j = 0; j < NB; j++) { \
+            wv[j] = _mm512_loadu_ps(w + j * ps + kk * PANEL); \
+            _mm_prefetch((const char *)(w + j * ps + (kk + PREFETCH) * PANEL), _MM_HINT_T0); \
+        } \
+_Pragma("GCC unroll 16") \
+        for (int i = 0; i < MR; i++) { \
+            const __m512 xb = _mm512_set1_ps(x[kk * MR + i]); \
+_Pragma("GCC unroll 8") \
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xb, wv[j], acc[i][j]); \
+        } \
+    } \
+_Pragma("GCC unroll 8") \
+    for (int j = 0; j < NB; j++) { \
+        const int64_t left = ncols - j * PANEL; \
+        if (left <= 0) break; \
+        const __mmask16 mask = left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); \
+        const __m512 b = bias ? _mm512_loadu_ps(bias + j * PANEL) : _mm512_setzero_ps(); \
+_Pragma("GCC unroll 16") \
+        for (int i = 0; i < MR; i++) { \
+            _mm512_mask_storeu_ps(y + i * ldy + j * PANEL, mask, _mm512_add_ps(acc[i][j], b)); \
+        } \
+    }
+
+#elif defined(ROWS_AVX2)
+#define ISA_NAME "avx2"
+#define MR_MAX 6
+#define GROUP_ROWS 6
+
+static inline __attribute__((always_inline)) void store8(float *dst, __m256 v, int64_t left) {
+    if (left >= 8) {
+        _mm256_storeu_ps(dst, v);
+    } else if (left > 0) {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, v);
+        memcpy(dst, tmp, (size_t)left * sizeof(float));
+    }
+}
+
+#define TILE_BODY(MR, NB) \
+ \
+    __m256 lo[MR][NB], hi[MR][NB]; \
+_Pragma("GCC unroll 16") \
+    for (int i = 0; i < MR; i++) { \
+_Pragma("GCC unroll 8") \
+        for (int j = 0; j < NB; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps(); \
+    } \
+    const int64_t ps = k * PANEL; \
+    for (int64_t kk = 0; kk < k; kk++) { \
+        __m256 wl[NB], wh[NB]; \
+_Pragma("GCC unroll 8") \
+        for (int j = 0; j < NB; j++) { \
+            wl[j] = _mm256_loadu_ps(w + j * ps + kk * PANEL); \
+            wh[j] = _mm256_loadu_ps(w + j * ps + kk * PANEL + 8); \
+            _mm_prefetch((const char *)(w + j * ps + (kk + PREFETCH) * PANEL), _MM_HINT_T0); \
+        } \
+_Pragma("GCC unroll 16") \
+        for (int i = 0; i < MR; i++) { \
+            const __m256 xb = _mm256_broadcast_ss(x + kk * MR + i); \
+_Pragma("GCC unroll 8") \
+            for (int j = 0; j < NB; j++) { \
+                lo[i][j] = _mm256_fmadd_ps(xb, wl[j], lo[i][j]); \
+                hi[i][j] = _mm256_fmadd_ps(xb, wh[j], hi[i][j]); \
+            } \
+        } \
+    } \
+_Pragma("GCC unroll 8") \
+    for (int j = 0; j < NB; j++) { \
+        const int64_t left = ncols - j * PANEL; \
+        if (left <= 0) break; \
+        const __m256 bl = bias ? _mm256_loadu_ps(bias + j * PANEL) : _mm256_setzero_ps(); \
+        const __m256 bh = bias ? _mm256_loadu_ps(bias + j * PANEL + 8) : _mm256_setzero_ps(); \
+_Pragma("GCC unroll 16") \
+        for (int i = 0; i < MR; i++) { \
+            float *dst = y + i * ldy + j * PANEL; \
+            store8(dst, _mm256_add_ps(lo[i][j], bl), left); \
+            store8(dst + 8, _mm256_add_ps(hi[i][j], bh), left - 8); \
+        } \
+    }
+
+#else
+#define ISA_NAME "scalar"
+#define MR_MAX 4
+#define GROUP_ROWS 4
+
+#define TILE_BODY(MR, NB) \
+ \
+    const int64_t ps = k * PANEL; \
+    for (int j = 0; j < NB; j++) { \
+        const int64_t left = ncols - j * PANEL; \
+        if (left <= 0) break; \
+        float acc[MR][PANEL]; \
+        memset(acc, 0, sizeof(acc)); \
+        const float *wp = w + j * ps; \
+        for (int64_t kk = 0; kk < k; kk++) { \
+            for (int i = 0; i < MR; i++) { \
+                const float xv = x[kk * MR + i]; \
+                for (int c = 0; c < PANEL; c++) acc[i][c] += xv * wp[kk * PANEL + c]; \
+            } \
+        } \
+        const int64_t cols = left < PANEL ? left : PANEL; \
+        for (int i = 0; i < MR; i++) { \
+            for (int64_t c = 0; c < cols; c++) { \
+                y[i * ldy + j * PANEL + c] = acc[i][c] + (bias ? bias[j * PANEL + c] : 0.0f); \
+            } \
+        } \
+    }
+#endif
+
+#define TILE(MR_, NB_)                                                                         \
+    static void tile_##MR_##_##NB_(const float *x, const float *w, int64_t k,                  \
+                                   const float *bias, float *y, int64_t ldy, int64_t ncols) {  \
+        enum { MR = MR_, NB = NB_ };                                                           \
+        TILE_BODY(MR, NB)                                                                      \
+    }
+
+/* Panels per tile for each row count: as many accumulators as the registers hold. */
+#if defined(ROWS_AVX512)
+TILE(1, 4) TILE(2, 8) TILE(3, 6) TILE(4, 6) TILE(5, 4) TILE(6, 4) TILE(7, 3) TILE(8, 3)
+TILE(9, 2) TILE(10, 2) TILE(11, 2) TILE(12, 2) TILE(13, 2) TILE(14, 1) TILE(15, 1) TILE(16, 1)
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1) TILE(7, 1) TILE(8, 1)
+TILE(9, 1) TILE(10, 1) TILE(11, 1) TILE(12, 1) TILE(13, 1)
+static const int TILE_NB[MR_MAX + 1] = {0, 4, 8, 6, 6, 4, 4, 3, 3, 2, 2, 2, 2, 2, 1, 1, 1};
+static const tile_fn TILE_MAIN[MR_MAX + 1] = {
+    0, tile_1_4, tile_2_8, tile_3_6, tile_4_6, tile_5_4, tile_6_4, tile_7_3, tile_8_3,
+    tile_9_2, tile_10_2, tile_11_2, tile_12_2, tile_13_2, tile_14_1, tile_15_1, tile_16_1};
+static const tile_fn TILE_ONE[MR_MAX + 1] = {
+    0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1, tile_7_1, tile_8_1,
+    tile_9_1, tile_10_1, tile_11_1, tile_12_1, tile_13_1, tile_14_1, tile_15_1, tile_16_1};
+#elif defined(ROWS_AVX2)
+TILE(1, 4) TILE(2, 2) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1) TILE(1, 1) TILE(2, 1)
+static const int TILE_NB[MR_MAX + 1] = {0, 4, 2, 1, 1, 1, 1};
+static const tile_fn TILE_MAIN[MR_MAX + 1] = {0,        tile_1_4, tile_2_2, tile_3_1,
+                                              tile_4_1, tile_5_1, tile_6_1};
+static const tile_fn TILE_ONE[MR_MAX + 1] = {0,        tile_1_1, tile_2_1, tile_3_1,
+                                             tile_4_1, tile_5_1, tile_6_1};
+#else
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
+static const int TILE_NB[MR_MAX + 1] = {0, 1, 1, 1, 1};
+static const tile_fn TILE_MAIN[MR_MAX + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1};
+static const tile_fn TILE_ONE[MR_MAX + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1};
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * One call's work, cut into chunks of panels.
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *x; /* x regrouped: groups of `group` rows (the last may be smaller), each [k][rows] */
+    const float *w;
+    const float *bias;
+    float *y;
+    int64_t m, k, n;
+    int64_t group;   /* rows per pass over the weights, <= MR_MAX */
+    int64_t nchunks; /* chunk c holds panels [c * npanels / nchunks, (c + 1) * npanels / nchunks) */
+} job_t;
+
+/* One chunk's panels for all rows, a row group at a time (later groups re-read the chunk's
+ * weights from cache). */
+static void run_chunk(const job_t *job, int64_t c) {
+    const int64_t npanels = (job->n + PANEL - 1) / PANEL;
+    const int64_t p0 = c * npanels / job->nchunks;
+    const int64_t p1 = (c + 1) * npanels / job->nchunks;
+    const int64_t k = job->k;
+    for (int64_t r = 0; r < job->m; r += job->group) {
+        const int mr = (int)(job->m - r < job->group ? job->m - r : job->group);
+        const int nb = TILE_NB[mr];
+        const float *x = job->x + r * k; /* this group's [k][mr] block */
+        float *y = job->y + r * job->n;
+        int64_t p = p0;
+        for (; p + nb <= p1; p += nb) {
+            const int64_t cols = job->n - p * PANEL;
+            TILE_MAIN[mr](x, job->w + p * k * PANEL, k, job->bias ? job->bias + p * PANEL : 0,
+                          y + p * PANEL, job->n, cols < nb * PANEL ? cols : nb * PANEL);
+        }
+        for (; p < p1; p++) {
+            const int64_t cols = job->n - p * PANEL;
+            TILE_ONE[mr](x, job->w + p * k * PANEL, k, job->bias ? job->bias + p * PANEL : 0,
+                         y + p * PANEL, job->n, cols < PANEL ? cols : PANEL);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The pool. `next` holds (generation << 32 | next chunk): a thread claims a chunk only while the
+ * generation is the one whose job it read, so a late worker never runs a finished job's chunks;
+ * between calls the chunk field is 0xFFFFFFFF (none left). `done` counts finished chunks of the
+ * current job.
+ * ------------------------------------------------------------------------------------------- */
+
+static struct {
+    pthread_mutex_t call_mu; /* one rows_gemm call at a time */
+    pthread_mutex_t mu;      /* with cv: sleeping workers */
+    pthread_cond_t cv;
+    uint32_t gen;            /* atomic: the published job's generation */
+    uint64_t next;           /* atomic */
+    int64_t done;            /* atomic */
+    int sleepers;            /* atomic */
+    int started;             /* workers running (call_mu) */
+    int threads;             /* atomic: threads per call, the caller included */
+    int64_t spin_ns;         /* atomic */
+    int64_t chunk_bytes;     /* atomic */
+    int group_rows;          /* atomic */
+    job_t job;               /* written by the caller before it publishes `gen` */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          0, 0xFFFFFFFFu, 0, 0, 0, 1, 50000, 512 * 1024, GROUP_ROWS, {0}};
+
+#define LOAD(p) __atomic_load_n(&(p), __ATOMIC_ACQUIRE)
+#define RELAXED(p) __atomic_load_n(&(p), __ATOMIC_RELAXED)
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Claim and run chunks of generation `gen` until none is left. */
+static void work(const job_t *job, uint32_t gen) {
+    uint64_t v = LOAD(pool.next);
+    for (;;) {
+        if ((uint32_t)(v >> 32) != gen || (int64_t)(v & 0xFFFFFFFFu) >= job->nchunks) return;
+        if (__atomic_compare_exchange_n(&pool.next, &v, v + 1, 1, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            run_chunk(job, (int64_t)(v & 0xFFFFFFFFu));
+            __atomic_fetch_add(&pool.done, 1, __ATOMIC_RELEASE);
+            v = LOAD(pool.next);
+        }
+    }
+}
+
+static void *worker_main(void *arg) {
+    const int index = (int)(intptr_t)arg; /* 1 .. threads - 1 */
+    uint32_t seen = LOAD(pool.gen);
+    for (;;) {
+        uint32_t g = LOAD(pool.gen);
+        if (g == seen) {
+            const int64_t deadline = now_ns() + RELAXED(pool.spin_ns);
+            int spins = 0;
+            while ((g = LOAD(pool.gen)) == seen) {
+                cpu_relax();
+                if (++spins % 64 == 0 && now_ns() > deadline) break;
+            }
+            if (g == seen) {
+                pthread_mutex_lock(&pool.mu);
+                __atomic_fetch_add(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
+                while ((g = __atomic_load_n(&pool.gen, __ATOMIC_SEQ_CST)) == seen) {
+                    pthread_cond_wait(&pool.cv, &pool.mu);
+                }
+                __atomic_fetch_sub(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
+                pthread_mutex_unlock(&pool.mu);
+            }
+        }
+        seen = g;
+        if (index >= RELAXED(pool.threads)) continue; /* not a participant at this setting */
+        job_t job;
+        job.x = __atomic_load_n(&pool.job.x, __ATOMIC_RELAXED);
+        job.w = __atomic_load_n(&pool.job.w, __ATOMIC_RELAXED);
+        job.bias = __atomic_load_n(&pool.job.bias, __ATOMIC_RELAXED);
+        job.y = __atomic_load_n(&pool.job.y, __ATOMIC_RELAXED);
+        job.m = RELAXED(pool.job.m);
+        job.k = RELAXED(pool.job.k);
+        job.n = RELAXED(pool.job.n);
+        job.group = RELAXED(pool.job.group);
+        job.nchunks = RELAXED(pool.job.nchunks);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE); /* pairs with the caller's release fence */
+        work(&job, g); /* uses the copy only if generation g's chunks are still unclaimed */
+    }
+    return 0;
+}
+
+static void after_fork_in_child(void) {
+    pthread_mutex_init(&pool.call_mu, 0);
+    pthread_mutex_init(&pool.mu, 0);
+    pthread_cond_init(&pool.cv, 0);
+    pool.sleepers = 0;
+    pool.started = 0;
+}
+
+/* Start workers up to threads - 1 (call_mu held); returns how many run. */
+static int ensure_workers(int threads) {
+    static int atfork = 0;
+    if (!atfork) {
+        pthread_atfork(0, 0, after_fork_in_child);
+        atfork = 1;
+    }
+    while (pool.started < threads - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)(pool.started + 1));
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pool.started++;
+    }
+    return pool.started;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Entry points.
+ * ------------------------------------------------------------------------------------------- */
+
+/* The compiled path: "avx512", "avx2" or "scalar". */
+const char *rows_gemm_isa(void) { return ISA_NAME; }
+
+/* Floats of the packed layout of a [k, n] weight. */
+int64_t rows_gemm_packed_size(int64_t k, int64_t n) { return (n + PANEL - 1) / PANEL * PANEL * k; }
+
+/* W^T [k, n] (row stride ldw) -> packed [ceil(n / 16)][k][16], the last panel zero-padded. */
+void rows_gemm_pack(const float *wt, int64_t ldw, int64_t k, int64_t n, float *packed) {
+    const int64_t npanels = (n + PANEL - 1) / PANEL;
+    for (int64_t p = 0; p < npanels; p++) {
+        const int64_t c0 = p * PANEL;
+        const int64_t cols = n - c0 < PANEL ? n - c0 : PANEL;
+        float *dst = packed + p * k * PANEL;
+        for (int64_t kk = 0; kk < k; kk++) {
+            memcpy(dst + kk * PANEL, wt + kk * ldw + c0, (size_t)cols * sizeof(float));
+            if (cols < PANEL) memset(dst + kk * PANEL + cols, 0, (PANEL - cols) * sizeof(float));
+        }
+    }
+}
+
+/* Threads per call, the caller included (1 .. MAX_THREADS). */
+void rows_gemm_set_threads(int threads) {
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    __atomic_store_n(&pool.threads, threads, __ATOMIC_RELAXED);
+}
+
+int rows_gemm_get_threads(void) { return RELAXED(pool.threads); }
+
+/* Rows per pass over the weights (1 .. MR_MAX): more rows are served in equal groups. */
+void rows_gemm_set_group_rows(int rows) {
+    rows = rows < 1 ? 1 : rows > MR_MAX ? MR_MAX : rows;
+    __atomic_store_n(&pool.group_rows, rows, __ATOMIC_RELAXED);
+}
+
+/* How long an idle worker spins before it sleeps, in microseconds (0: sleep at once). */
+void rows_gemm_set_spin_us(int64_t us) {
+    __atomic_store_n(&pool.spin_ns, us < 0 ? 0 : us * 1000, __ATOMIC_RELAXED);
+}
+
+/* Weight bytes per claimed chunk, about (chunks are whole panels, a multiple of the threads). */
+void rows_gemm_set_chunk_bytes(int64_t bytes) {
+    __atomic_store_n(&pool.chunk_bytes, bytes < 1 ? 1 : bytes, __ATOMIC_RELAXED);
+}
+
+/* x [m, k] (row stride ldx) -> groups of `group` rows, each [k][rows], in a per-thread buffer
+ * (x itself where m == 1); NULL if the buffer cannot grow. */
+static const float *regroup(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t group) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (m == 1 || k == 0) return x;
+    if (m * k > cap) {
+        float *grown = (float *)realloc(buf, (size_t)(m * k) * sizeof(float));
+        if (!grown) return 0;
+        buf = grown;
+        cap = m * k;
+    }
+    for (int64_t r = 0; r < m; r += group) {
+        const int64_t rows = m - r < group ? m - r : group;
+        float *dst = buf + r * k;
+        for (int64_t i = 0; i < rows; i++) {
+            const float *src = x + (r + i) * ldx;
+            for (int64_t kk = 0; kk < k; kk++) dst[kk * rows + i] = src[kk];
+        }
+    }
+    return buf;
+}
+
+/* y [m, n] (contiguous) = x [m, k] (row stride ldx) @ W^T, W packed by rows_gemm_pack;
+ * + bias, when not NULL, padded to ceil(n / 16) * 16 floats. Returns 0, or -1 (y
+ * untouched) if memory for a copy of x could not be allocated. */
+int rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
+               int64_t m, int64_t k, int64_t n) {
+    if (m <= 0 || n <= 0) return 0;
+    const int64_t npanels = (n + PANEL - 1) / PANEL;
+    const int threads = RELAXED(pool.threads);
+    /* Row groups of equal size, at most group_rows each. */
+    const int64_t gmax = RELAXED(pool.group_rows);
+    const int64_t group = (m + (m + gmax - 1) / gmax - 1) / ((m + gmax - 1) / gmax);
+    /* About chunk_bytes of weights per chunk, a multiple of `threads` chunks, <= npanels. */
+    const int64_t bytes = npanels * k * PANEL * (int64_t)sizeof(float);
+    int64_t nchunks = (bytes + RELAXED(pool.chunk_bytes) - 1) / RELAXED(pool.chunk_bytes);
+    nchunks = (nchunks + threads - 1) / threads * threads;
+    if (nchunks > npanels) nchunks = npanels;
+    job_t job = {regroup(x, ldx, m, k, group), packed, bias, y, m, k, n, group, nchunks};
+    if (!job.x && k > 0) return -1;
+    if (threads <= 1 || job.nchunks <= 1) {
+        for (int64_t c = 0; c < job.nchunks; c++) run_chunk(&job, c);
+        return 0;
+    }
+    pthread_mutex_lock(&pool.call_mu);
+    if (ensure_workers(threads) == 0) {
+        pthread_mutex_unlock(&pool.call_mu);
+        for (int64_t c = 0; c < job.nchunks; c++) run_chunk(&job, c);
+        return 0;
+    }
+    /* `next` holds the finished generation with no chunk left (set at the end of each call);
+     * a worker that reads any field below written sees that, so it never runs a torn job. */
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    __atomic_store_n(&pool.job.x, job.x, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.w, job.w, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.bias, job.bias, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.y, job.y, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.m, job.m, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.k, job.k, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.n, job.n, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.group, job.group, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.nchunks, job.nchunks, __ATOMIC_RELAXED);
+    const uint32_t gen = RELAXED(pool.gen) + 1;
+    __atomic_store_n(&pool.done, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.next, (uint64_t)gen << 32, __ATOMIC_RELEASE);
+    __atomic_store_n(&pool.gen, gen, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&pool.sleepers, __ATOMIC_SEQ_CST) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    work(&job, gen);
+    while (LOAD(pool.done) < job.nchunks) cpu_relax();
+    __atomic_store_n(&pool.next, (uint64_t)gen << 32 | 0xFFFFFFFFu, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&pool.call_mu);
+    return 0;
+}
