@@ -14,6 +14,7 @@ from engine.core import LLMEngine
 from engine.kv_sizing import check_pool
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.llama import LlamaConfig
+from engine.parallel.runner import start_sharded_runner
 from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.policy import SpeculationPolicy
@@ -47,7 +48,22 @@ def build_engine(
         model_config = LlamaConfig.from_folder(Path(config.model_path))
         dtype = resolve_dtype(config.dtype, model_config.torch_dtype, config.device)
         proposer = _load_proposer(spec.path, spec, model_config, dtype, torch.device(config.device))
-    runner = ModelRunner(config)
+    sharded = config.tensor_parallel_size > 1
+    runner = start_sharded_runner(config) if sharded else ModelRunner(config)
+    try:
+        return _assemble(config, runner, tokenizer, proposer)
+    except BaseException:
+        runner.close()
+        raise
+
+
+def _assemble(
+    config: EngineConfig,
+    runner: ModelRunner,
+    tokenizer: PreTrainedTokenizerBase | None,
+    proposer: Proposer | None,
+) -> LLMEngine:
+    spec = config.speculative or SpeculativeConfig()
     max_model_len = runner.max_model_len
     if config.max_model_len is not None:
         how = runner.kv_pool_source

@@ -118,8 +118,19 @@ class EngineConfig:
     """On CPU in float32, run the model's glue and attention as fused C kernels (when a C
     compiler is found); False keeps the same maths as ATen ops."""
     speculative: SpeculativeConfig | None = field(default=None)
+    tensor_parallel_size: int = 1
+    """Processes the model is split over (`engine.parallel`): heads, MLP columns, vocabulary and
+    KV heads divided between them; on CUDA one device each."""
+    master_addr: str = "localhost"
+    """Where the tensor-parallel ranks meet: rank 0's host name or address."""
+    master_port: int = 29500
+    """... and a free TCP port there."""
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

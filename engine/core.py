@@ -161,6 +161,11 @@ class LLMEngine:
         self.scheduler.update_draft_token_ids({r.request_id: () for r in self.scheduler.running})
         self.drafter = drafter
 
+    def close(self) -> None:
+        """Release the runner's processes (tensor-parallel ranks); the engine is unusable
+        afterwards. Idempotent."""
+        self.runner.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

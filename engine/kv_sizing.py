@@ -33,9 +33,13 @@ class DeviceMemory:
     non_torch: int  # in use outside torch's allocator (CUDA context, library workspaces)
 
 
-def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of K and V over every layer."""
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+def kv_block_bytes(
+    config: LlamaConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+) -> int:
+    """Bytes of one block of K and V over every layer, for `num_kv_heads` (one tensor-parallel
+    rank's; default: the model's)."""
+    kv_heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    per_token = 2 * config.num_layers * kv_heads * config.head_dim * dtype.itemsize
     return block_size * per_token
 
 

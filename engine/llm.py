@@ -49,6 +49,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         cpu_kernels: bool = True,
         cuda_graphs: bool = True,
+        tensor_parallel_size: int = 1,
+        master_port: int = 29500,
     ) -> None:
         """`max_num_tokens` sizes the KV pool (prompt + generated tokens over all sequences) and
         the per-step token budget; `max_num_seqs` bounds the running batch. `speculator` (an
@@ -59,7 +61,9 @@ class LLM:
         `adaptive_speculation`, a SpeculationPolicy picks per step how many candidates pay.
         `enable_prefix_caching` shares the KV blocks of identical prompt prefixes.
         `cpu_kernels=False` runs the CPU float32 glue and attention as ATen ops instead of the
-        fused C kernels. `cuda_graphs=False` runs every CUDA step eagerly."""
+        fused C kernels. `cuda_graphs=False` runs every CUDA step eagerly.
+        `tensor_parallel_size` N > 1 splits the model over N processes (this one is rank 0;
+        they meet on localhost:`master_port`); `close` (or leaving a `with` block) stops them."""
         path = Path(model_path) if model_path is not None else default_model_path()
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(path)
         if isinstance(dtype, torch.dtype):
@@ -84,12 +88,24 @@ class LLM:
             cpu_kernels=cpu_kernels,
             cuda_graphs=cuda_graphs,
             speculative=speculative,
+            tensor_parallel_size=tensor_parallel_size,
+            master_port=master_port,
         )
         proposer = None if isinstance(speculator, str | Path) else speculator
         self.engine = build_engine(config, self.tokenizer, proposer)
         self.runner = self.engine.runner
         self.kv = self.engine.kv
         self._counter = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from engine.kernels.cpu import load_cpu_kernels
 from engine.kv_sizing import DeviceMemory, kv_block_bytes, kv_pool_blocks
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import load_weights
+from engine.parallel.shard import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +79,22 @@ class ModelRunner:
     With `config.cuda_graphs` and the Triton backend, decode steps run as `DecodeGraphs`
     (captured on CUDA; elsewhere, as in tests, the same static-buffer step runs eagerly); the
     pool then holds one block more than `num_blocks`, the graphs' pad block.
+
+    With a `shard` of N > 1 ranks, this runner holds that rank's share of the model and of
+    every KV block (`engine.parallel.shard`; the pool has as many blocks on every rank), runs
+    on `cuda:<rank>` when `config.device` is CUDA, and without CUDA graphs; every rank must
+    call `execute` with the same inputs together, and only rank 0's logits are the model's.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, shard: Shard | None = None) -> None:
         self.model_path = Path(config.model_path)
         self.config = LlamaConfig.from_folder(self.model_path)
+        self.shard = shard = shard or Shard()
         self.max_model_len = self._max_model_len(config.max_model_len)
-        self.device = torch.device(config.device)
+        device = torch.device(config.device)
+        if shard.size > 1 and device.type == "cuda":
+            device = torch.device("cuda", shard.rank)
+        self.device = device
         self.dtype = resolve_dtype(config.dtype, self.config.torch_dtype, config.device)
         fused = config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32
         kernels = load_cpu_kernels() if fused else None
@@ -91,7 +102,7 @@ class ModelRunner:
             config.device, config.block_size, kernels, self.dtype, config.flash_attention
         )
         self.block_size = self.backend.block_size
-        self.model = LlamaModel(self.config, self.backend, self.dtype, self.device, kernels)
+        self.model = LlamaModel(self.config, self.backend, self.dtype, self.device, kernels, shard)
         load_weights(self.model, self.model_path)
         self.model.eval()
         if self.device.type == "cpu":
@@ -105,8 +116,9 @@ class ModelRunner:
             )
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeGraphs | None = None
+        shard.barrier()  # ranks load at different speeds; the profile step needs them all
         self.num_blocks, self.kv_pool_source = self._num_kv_blocks(config)
-        graphs = config.cuda_graphs and self.backend.name == "triton"
+        graphs = config.cuda_graphs and self.backend.name == "triton" and shard.size == 1
         self.kv_caches = self._allocate_kv_caches(self.num_blocks + graphs)
         if graphs:
             from engine.attention.triton_backend import TritonBackend
@@ -148,25 +160,31 @@ class ModelRunner:
         return length
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
-        cfg = self.config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.model.layout.num_kv_heads, self.config.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
-            for _ in range(cfg.num_layers)
+            for _ in range(self.config.num_layers)
         ]
 
+    def _block_bytes(self) -> int:
+        return kv_block_bytes(
+            self.config, self.block_size, self.dtype, self.model.layout.num_kv_heads
+        )
+
     def _num_kv_blocks(self, config: EngineConfig) -> tuple[int, str]:
-        """The pool's size in blocks, and what set it (see `engine.kv_sizing`)."""
-        return kv_pool_blocks(
+        """The pool's size in blocks (the smallest any rank can hold), and what set it (see
+        `engine.kv_sizing`)."""
+        num_blocks, source = kv_pool_blocks(
             config,
-            kv_block_bytes(self.config, self.block_size, self.dtype),
+            self._block_bytes(),
             self.block_size,
             lambda: self.profile_memory(config.max_num_batched_tokens),
             on_cuda=self.device.type == "cuda",
         )
+        return self.shard.min(num_blocks), source
 
     def profile_memory(self, num_tokens: int) -> DeviceMemory:
         """On CUDA, run one worst-case step (one sequence of `num_tokens` new tokens, logits for
@@ -174,7 +192,7 @@ class ModelRunner:
         the device's memory: the peak excludes the scratch pool."""
         device = self.device
         num_blocks = math.ceil(num_tokens / self.block_size)
-        scratch_bytes = num_blocks * kv_block_bytes(self.config, self.block_size, self.dtype)
+        scratch_bytes = num_blocks * self._block_bytes()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -246,6 +264,27 @@ class ModelRunner:
         for cache in (c for layer in self.kv_caches for c in layer):
             flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
             flat.index_copy_(0, dst_index, flat.index_select(0, src_index))
+
+    def read_kv(self, slots: list[int]) -> list[torch.Tensor]:
+        """The K/V each rank holds at cache `slots`: one [num_layers, 2, len(slots),
+        rank's KV heads, head_dim] tensor per rank (one here)."""
+        index = self._to_device(slots)[0]
+        return [self._kv_at(index)]
+
+    def _kv_at(self, index: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [
+                torch.stack([c.view(-1, *c.shape[2:]).index_select(0, index) for c in layer])
+                for layer in self.kv_caches
+            ]
+        )
+
+    def close(self) -> None:
+        """Stop what the runner started (another rank's processes); idempotent."""
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """Have `on_failure(message)` called once (from any thread) if the runner breaks for
+        good: a tensor-parallel rank failed. Never called for one process."""
 
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> ModelOutput:

@@ -23,13 +23,10 @@ from server.config import ServerConfig
 _FALSE_WORDS = frozenset({"", "n", "no", "f", "false", "off", "0"})
 
 IGNORED_LAUNCHER_FLAGS = {
-    "--num-shard": "one process serves the model on one device (no tensor parallelism)",
     "--deployment-framework": "the engine is specserve's own (paged attention, continuous "
     "batching)",
     "--quantize": "weights load unquantized, in DTYPE_STR",
-    "--master-addr": "there are no shard processes to connect",
-    "--master-port": "there are no shard processes to connect",
-    "--shard-uds-path": "there are no shard processes to connect",
+    "--shard-uds-path": "shard processes meet over torch.distributed at MASTER_ADDR:MASTER_PORT",
     "--max-waiting-tokens": "waiting requests join the running batch at every step",
     "--max-prefill-padding": "batches are not padded",
     "--batch-safety-margin": "the KV pool is sized by CUDA_PROCESS_MEMORY_FRACTION, "
@@ -40,8 +37,6 @@ IGNORED_LAUNCHER_FLAGS = {
 }
 """TGIS launcher flags (tgis-interface.md §3.1) that are accepted, with their env vars, and have
 no effect here: flag -> why. `parse_launcher` reports each one given."""
-IGNORED_LAUNCHER_ENV = {"NUM_GPUS": IGNORED_LAUNCHER_FLAGS["--num-shard"]}
-"""TGIS launcher env vars without a flag that are accepted and have no effect here."""
 
 TERMINATION_LOG_ENV = "TERMINATION_LOG_PATH"
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
@@ -102,9 +97,6 @@ def parse_launcher(
             given = env[var]
         if given is not None:
             warnings.append(f"{var}={given} ({flag}) is ignored: {reason}")
-    for var, reason in IGNORED_LAUNCHER_ENV.items():
-        if env.get(var, "").strip():
-            warnings.append(f"{var}={env[var]} is ignored: {reason}")
     return Launch(ServerConfig(**values), tuple(dict.fromkeys(warnings)))
 
 

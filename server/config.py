@@ -113,6 +113,23 @@ class ServerConfig:
         ),
     )
     device: str = field(default="cpu", metadata=_meta("Torch device, e.g. cpu or cuda:0."))
+    num_shard: int = field(
+        default=1,
+        metadata=_meta(
+            "Processes the model is split over by tensor parallelism, one CUDA device each on "
+            "CUDA (rank r on cuda:r of CUDA_VISIBLE_DEVICES); must divide the attention heads "
+            "and the MLP width.",
+            env=("NUM_SHARD", "NUM_GPUS"),
+        ),
+    )
+    master_addr: str = field(
+        default="localhost",
+        metadata=_meta("Host where the tensor-parallel ranks meet (rank 0's)."),
+    )
+    master_port: int = field(
+        default=29500,
+        metadata=_meta("Free TCP port on master_addr where the tensor-parallel ranks meet."),
+    )
     max_sequence_length: int | None = field(
         default=None,
         metadata=_meta(
@@ -332,7 +349,7 @@ class ServerConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:
             raise ValueError(f"max_sequence_length must be >= 2, got {self.max_sequence_length}")
-        for name in ("max_new_tokens", "max_batch_size", "max_batched_tokens"):
+        for name in ("max_new_tokens", "max_batch_size", "max_batched_tokens", "num_shard"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prompt_cache_size_mb < 0:

@@ -5,7 +5,9 @@ and log ``gRPC server started on port N``, then HTTP and ``HTTP server started o
 The gRPC port serves TLS (or mTLS) when configured, the standard `grpc.health.v1.Health`
 service (SERVING once the model answered, NOT_SERVING from the start of a shutdown) and server
 reflection. SIGTERM/SIGINT: stop accepting RPCs, give in-flight ones `shutdown_grace_s` to finish,
-cancel the rest, stop the engine and exit 0.
+cancel the rest, stop the engine (and the other tensor-parallel ranks, NUM_SHARD > 1) and exit 0.
+A tensor-parallel rank that dies or hangs stops the server at once, exit code 1, the error
+naming the rank.
 
 Both ports are bound exclusively (gRPC without SO_REUSEPORT, so a second server on the same
 GRPC_PORT cannot share it). They are checked before the model loads, and bound for real after:
@@ -96,6 +98,9 @@ def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfi
         cuda_graphs=not config.no_cuda_graphs,
         enable_prefix_caching=config.prefix_caching,
         speculative=speculative,
+        tensor_parallel_size=config.num_shard,
+        master_addr=config.master_addr,
+        master_port=config.master_port,
     )
 
 
@@ -178,12 +183,40 @@ async def serve(config: ServerConfig) -> None:
     metrics = ServerMetrics(max_seq_len, max_new_tokens, config.max_batch_size)
     metrics.kv_cache_blocks_total.set(num_blocks)
     metrics.kv_cache_blocks_used.set(0)
+    stop = _Stop(asyncio.get_running_loop())
+    engine.runner.watch(stop.fail)
     worker = EngineWorker(engine, metrics)
     worker.start()
     try:
-        await _serve_with(config, worker, tokenizer, metrics, credentials, max_seq_len)
+        await _serve_with(config, worker, tokenizer, metrics, credentials, max_seq_len, stop)
     finally:
         worker.stop(timeout=10.0)
+        engine.close()
+
+
+class _Stop:
+    """When to stop serving: a signal (`set`), or a failure the server cannot serve through
+    (`fail`, from any thread: a tensor-parallel rank died), which makes `serve` raise."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.event = asyncio.Event()
+        self.failure: str | None = None
+
+    def set(self) -> None:
+        self.event.set()
+
+    def fail(self, message: str) -> None:
+        def record() -> None:
+            self.failure = self.failure or message
+            self.event.set()
+
+        self.loop.call_soon_threadsafe(record)
+
+    def check(self) -> None:
+        """RuntimeError with the failure's message, if there was one."""
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
 
 
 async def _serve_with(
@@ -193,12 +226,16 @@ async def _serve_with(
     metrics: ServerMetrics,
     credentials: grpc.ServerCredentials | None,
     max_seq_len: int,
+    stop: _Stop,
 ) -> None:
-    """`serve` once the engine thread runs: probe it, bind both ports, serve until a signal,
-    and stop what started (in reverse order) however this ends."""
+    """`serve` once the engine thread runs: probe it, bind both ports, serve until a signal
+    (draining requests) or a failure (at once, raising RuntimeError), and stop what started (in
+    reverse order) however this ends."""
     probe_prompt = list(tokenizer("liveness")["input_ids"]) or [0]
     loop = asyncio.get_running_loop()
     if not await loop.run_in_executor(None, worker.probe, probe_prompt, _HEALTH_PROBE_TIMEOUT_S):
+        await asyncio.sleep(0)  # a failure reported meanwhile explains the probe's
+        stop.check()
         raise RuntimeError("the model did not answer the startup probe")
 
     def health() -> bool:
@@ -247,10 +284,10 @@ async def _serve_with(
         http.start()
         logger.info("HTTP server started on port %d", http.port)
 
-        stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await stop.event.wait()
+        stop.check()
         logger.info("shutting down: up to %.1f s for in-flight requests", config.shutdown_grace_s)
         await health_servicer.enter_graceful_shutdown()
         await server.stop(config.shutdown_grace_s)

@@ -18,6 +18,9 @@ table holds embeddings / logits_scaling, and `embed` multiplies its rows by
 embedding_multiplier * logits_scaling, the one multiplication a neutral config skips. The
 final-norm hidden states a speculator drafts from are transformers' own.
 
+With a `Shard` of N > 1 ranks, the model holds that rank's share (`engine.parallel.shard`) and
+sums row-parallel outputs over the ranks; the checkpoint's tensors are read in slices.
+
 The forward passes call submodules' `forward` directly, skipping `nn.Module.__call__`'s hook
 dispatch on every call of a step: forward hooks on submodules do not run.
 """
@@ -37,6 +40,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeStep, RotaryEmbedding
 from engine.models.config import LlamaConfig
 from engine.models.loader import WeightTarget
+from engine.parallel.shard import Shard, ShardLayout
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -45,6 +49,8 @@ class Attention(nn.Module):
     def __init__(
         self,
         config: LlamaConfig,
+        layout: ShardLayout,
+        shard: Shard,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         dtype: torch.dtype,
@@ -53,7 +59,8 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.kernels = kernels
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.shard = shard
+        self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -86,20 +93,23 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata)  # [N, H, D]
-        return self.o_proj.forward(out.reshape(n, self.q_size))
+        return self.shard.all_reduce_(self.o_proj.forward(out.reshape(n, self.q_size)))
 
 
 class MLP(nn.Module):
     def __init__(
         self,
         config: LlamaConfig,
+        layout: ShardLayout,
+        shard: Shard,
         dtype: torch.dtype,
         device: torch.device,
         kernels: CpuKernels | None = None,
     ) -> None:
         super().__init__()
         self.kernels = kernels
-        self.intermediate_size = config.intermediate_size
+        self.shard = shard
+        self.intermediate_size = layout.intermediate_size
         hidden = config.hidden_size
         self.gate_up_proj = Linear(hidden, 2 * self.intermediate_size, dtype=dtype, device=device)
         self.down_proj = Linear(self.intermediate_size, hidden, dtype=dtype, device=device)
@@ -107,15 +117,19 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)  # [N, 2 * intermediate]
         if self.kernels is not None:
-            return self.down_proj.forward(self.kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+            h = self.kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return self.shard.all_reduce_(self.down_proj.forward(h))
 
 
 class DecoderLayer(nn.Module):
     def __init__(
         self,
         config: LlamaConfig,
+        layout: ShardLayout,
+        shard: Shard,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         dtype: torch.dtype,
@@ -125,9 +139,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device, kernels)
-        self.self_attn = Attention(config, rotary, backend, dtype, device, kernels)
+        self.self_attn = Attention(config, layout, shard, rotary, backend, dtype, device, kernels)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, kernels)
-        self.mlp = MLP(config, dtype, device, kernels)
+        self.mlp = MLP(config, layout, shard, dtype, device, kernels)
 
     def forward(
         self,
@@ -146,7 +160,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Decoder stack plus LM head. Parameters are allocated empty; `load_weights` fills them
     (through `weight_targets`, which fold the family's constants in). `kernels` (CPU float32
-    only) fuses the glue between matrix products."""
+    only) fuses the glue between matrix products. With `shard` of size N > 1, this is one rank's
+    share (ValueError when N cannot split the model, see `engine.parallel.shard`): every rank
+    runs `forward` on the same inputs together, and `compute_logits` returns the whole
+    vocabulary's logits on rank 0 only."""
 
     def __init__(
         self,
@@ -155,22 +172,25 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: CpuKernels | None = None,
+        shard: Shard | None = None,
     ) -> None:
         super().__init__()
         if kernels is not None and (dtype != torch.float32 or device.type != "cpu"):
             raise ValueError("CPU kernels need float32 on CPU")
         self.config = config
         self.kernels = kernels
+        self.shard = shard = shard or Shard()
+        self.layout = layout = ShardLayout.of(config, shard.rank, shard.size)
         self.rotary = RotaryEmbedding(config, dtype, device)
-        vocab, hidden = config.vocab_size, config.hidden_size
+        vocab, hidden = layout.vocab_rows, config.hidden_size
         self.lm_head = Linear(hidden, vocab, dtype=dtype, device=device)
         self.embed_tokens = (
             None
             if config.tie_word_embeddings
-            else nn.Parameter(torch.empty(vocab, hidden, dtype=dtype, device=device), False)
+            else nn.Parameter(torch.zeros(vocab, hidden, dtype=dtype, device=device), False)
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary, backend, dtype, device, kernels)
+            DecoderLayer(config, layout, shard, self.rotary, backend, dtype, device, kernels)
             for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype, device, kernels)
@@ -180,9 +200,21 @@ class LlamaModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[N] -> [N, hidden], times embedding_multiplier."""
+        if self.shard.size == 1:
+            return self._embed_rows(input_ids)
+        layout = self.layout
+        local = input_ids - layout.vocab_start
+        inside = (local >= 0) & (local < layout.vocab_end - layout.vocab_start)  # [N]
+        rows = self._embed_rows(torch.where(inside, local, 0))
+        rows.mul_(inside.unsqueeze(1).to(rows.dtype))
+        return self.shard.all_reduce_(rows)
+
+    def _embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [N] of this rank's table -> [N, hidden] (a new tensor), times
+        embedding_multiplier."""
         if self.embed_tokens is not None:
-            return self.embed_tokens[input_ids]
-        rows = self.lm_head.embedding_rows(input_ids)
+            return self.embed_tokens[ids]
+        rows = self.lm_head.embedding_rows(ids)
         return rows if self.embed_scale is None else rows.mul_(self.embed_scale)
 
     def scale_input_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
@@ -208,8 +240,9 @@ class LlamaModel(nn.Module):
         return self.norm.forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[M, hidden] final-norm states -> [M, vocab] logits (divided by logits_scaling)."""
-        return self.lm_head(hidden)
+        """[M, hidden] final-norm states -> [M, vocab] logits (divided by logits_scaling); with
+        several ranks, on rank 0 (the others get their [M, vocab_rows] share)."""
+        return self.shard.gather_columns(self.lm_head(hidden), self.config.vocab_size)
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -217,55 +250,89 @@ class LlamaModel(nn.Module):
     # -- weight loading -------------------------------------------------------------------
 
     def weight_targets(self) -> dict[str, WeightTarget]:
-        """Every checkpoint tensor name (HF Llama naming) -> where it is loaded, and the constant
-        it is multiplied by there (see the module's docstring)."""
-        cfg = self.config
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        """Every checkpoint tensor name (HF Llama naming) -> where this rank loads its slice,
+        and the constant it is multiplied by there (see the module's docstring)."""
+        cfg, ly, rank = self.config, self.layout, self.shard.rank
+        hidden, d = cfg.hidden_size, cfg.head_dim
         q_scale = 1.0
         if cfg.attention_multiplier is not None:
             q_scale = cfg.attention_multiplier * math.sqrt(cfg.head_dim)
         residual = cfg.residual_multiplier
         logits = 1.0 / cfg.logits_scaling
+        q_rows = (ly.head_start * d, (ly.head_start + ly.num_heads) * d)
+        kv_rows = (ly.kv_head_start * d, (ly.kv_head_start + ly.num_kv_heads) * d)
+        mlp_rows = (ly.intermediate_start, ly.intermediate_start + ly.intermediate_size)
+        vocab_rows = (ly.vocab_start, ly.vocab_end)
+        q, kv, inter = q_rows[1] - q_rows[0], kv_rows[1] - kv_rows[0], ly.intermediate_size
 
-        def rows(dest: Linear, offset: int, num_rows: int, scale: float = 1.0) -> WeightTarget:
-            return WeightTarget(dest, offset, (num_rows, dest.in_features), scale)
+        def rows(
+            dest: Linear,
+            offset: int,
+            source: tuple[int, int],
+            shape: tuple[int, int],
+            scale: float = 1.0,
+        ) -> WeightTarget:
+            """Checkpoint rows `source` of a `shape` tensor -> dest's rows from `offset`."""
+            return WeightTarget(dest, offset, shape, scale, source_rows=source)
+
+        def columns(dest: Linear, source: tuple[int, int], shape: tuple[int, int]) -> WeightTarget:
+            """Checkpoint columns `source` of a `shape` tensor -> all of dest (row-parallel)."""
+            return WeightTarget(dest, 0, shape, residual, source_cols=source)
 
         def whole(dest: torch.Tensor, scale: float = 1.0) -> WeightTarget:
             return WeightTarget(dest, 0, tuple(dest.shape), scale)
 
-        embed = self.embed_tokens
-        targets = {
-            "model.norm.weight": whole(self.norm.weight),
-            "model.embed_tokens.weight": (
-                rows(self.lm_head, 0, cfg.vocab_size, logits)
-                if embed is None
-                else whole(embed, cfg.embedding_multiplier)
-            ),
-        }
+        def part(
+            dest: torch.Tensor, source: tuple[int, int], size: int, scale: float = 1.0
+        ) -> WeightTarget:
+            """Elements `source` of a [size] checkpoint vector -> dest."""
+            return WeightTarget(dest, 0, (size,), scale, source_rows=source)
+
+        embed, vocab_shape = self.embed_tokens, (cfg.vocab_size, hidden)
+        head = rows(self.lm_head, 0, vocab_rows, vocab_shape, logits)
+        targets = {"model.norm.weight": whole(self.norm.weight), "model.embed_tokens.weight": head}
         if embed is not None:
-            targets["lm_head.weight"] = rows(self.lm_head, 0, cfg.vocab_size, logits)
+            targets["lm_head.weight"] = head
+            targets["model.embed_tokens.weight"] = WeightTarget(
+                embed[: vocab_rows[1] - vocab_rows[0]],
+                0,
+                vocab_shape,
+                cfg.embedding_multiplier,
+                source_rows=vocab_rows,
+            )
+        q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
             targets |= {
                 p + "input_layernorm.weight": whole(layer.input_layernorm.weight),
                 p + "post_attention_layernorm.weight": whole(layer.post_attention_layernorm.weight),
-                p + "self_attn.q_proj.weight": rows(attn.qkv_proj, 0, q, q_scale),
-                p + "self_attn.k_proj.weight": rows(attn.qkv_proj, q, kv),
-                p + "self_attn.v_proj.weight": rows(attn.qkv_proj, q + kv, kv),
-                p + "self_attn.o_proj.weight": rows(attn.o_proj, 0, hidden, residual),
-                p + "mlp.gate_proj.weight": rows(mlp.gate_up_proj, 0, inter),
-                p + "mlp.up_proj.weight": rows(mlp.gate_up_proj, inter, inter),
-                p + "mlp.down_proj.weight": rows(mlp.down_proj, 0, hidden, residual),
+                p + "self_attn.q_proj.weight": rows(
+                    attn.qkv_proj, 0, q_rows, (q_all, hidden), q_scale
+                ),
+                p + "self_attn.k_proj.weight": rows(attn.qkv_proj, q, kv_rows, (kv_all, hidden)),
+                p + "self_attn.v_proj.weight": rows(
+                    attn.qkv_proj, q + kv, kv_rows, (kv_all, hidden)
+                ),
+                p + "self_attn.o_proj.weight": columns(attn.o_proj, q_rows, (hidden, q_all)),
+                p + "mlp.gate_proj.weight": rows(
+                    mlp.gate_up_proj, 0, mlp_rows, (cfg.intermediate_size, hidden)
+                ),
+                p + "mlp.up_proj.weight": rows(
+                    mlp.gate_up_proj, inter, mlp_rows, (cfg.intermediate_size, hidden)
+                ),
+                p + "mlp.down_proj.weight": columns(
+                    mlp.down_proj, mlp_rows, (hidden, cfg.intermediate_size)
+                ),
             }
             qkv_bias, o_bias = attn.qkv_proj.bias, attn.o_proj.bias
             if qkv_bias is not None:
                 targets |= {
-                    p + "self_attn.q_proj.bias": whole(qkv_bias[:q], q_scale),
-                    p + "self_attn.k_proj.bias": whole(qkv_bias[q : q + kv]),
-                    p + "self_attn.v_proj.bias": whole(qkv_bias[q + kv :]),
+                    p + "self_attn.q_proj.bias": part(qkv_bias[:q], q_rows, q_all, q_scale),
+                    p + "self_attn.k_proj.bias": part(qkv_bias[q : q + kv], kv_rows, kv_all),
+                    p + "self_attn.v_proj.bias": part(qkv_bias[q + kv :], kv_rows, kv_all),
                 }
-            if o_bias is not None:
-                targets[p + "self_attn.o_proj.bias"] = whole(o_bias, residual)
+            if o_bias is not None:  # added once: by rank 0, before the sum over ranks
+                o_dest = o_bias if rank == 0 else None
+                targets[p + "self_attn.o_proj.bias"] = WeightTarget(o_dest, 0, (hidden,), residual)
         return targets

@@ -1,14 +1,15 @@
 """Streams HF checkpoint tensors straight into a model's final parameters.
 
 Supported layouts: `model.safetensors`, sharded safetensors with `model.safetensors.index.json`,
-and `pytorch_model.bin` (sharded or not, memory-mapped). At most one checkpoint tensor is
-materialised at a time, so loading never needs a second full copy of the weights.
+and `pytorch_model.bin` (sharded or not, memory-mapped). At most one checkpoint tensor (or,
+for a tensor-parallel rank, the slice of it that rank holds) is materialised at a time, so
+loading never needs a second full copy of the weights.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -25,13 +26,25 @@ class CheckpointError(ValueError):
 
 
 class WeightTarget(NamedTuple):
-    """Where one checkpoint tensor goes: a Linear's rows from `row_offset`, or a whole tensor;
-    multiplied by `scale` on the way (a constant of the model folded into its weights)."""
+    """Where one checkpoint tensor goes: a Linear's rows from `row_offset`, or a whole tensor,
+    or nowhere (None: this rank holds none of it); multiplied by `scale` on the way (a constant
+    of the model folded into its weights). Only rows `source_rows` and columns `source_cols`
+    ([start, end), default: all) of the checkpoint tensor are read."""
 
-    dest: Linear | torch.Tensor
+    dest: Linear | torch.Tensor | None
     row_offset: int
     shape: tuple[int, ...]  # the checkpoint tensor's expected shape
     scale: float = 1.0
+    source_rows: tuple[int, int] | None = None
+    source_cols: tuple[int, int] | None = None
+
+
+class TensorSource(NamedTuple):
+    """A checkpoint tensor not read yet: its shape, and `read(rows, cols)`, which reads the
+    [start, end) ranges given (None: all) of its first two dimensions."""
+
+    shape: tuple[int, ...]
+    read: Callable[[tuple[int, int] | None, tuple[int, int] | None], torch.Tensor]
 
 
 class Loadable(Protocol):
@@ -60,6 +73,51 @@ def checkpoint_files(folder: Path) -> tuple[list[Path], dict[str, Path]]:
         f"{folder}: no checkpoint found (looked for model.safetensors, "
         "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json)"
     )
+
+
+def _index(rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> tuple[slice, ...]:
+    whole = slice(None)
+    row_slice = whole if rows is None else slice(*rows)
+    return (row_slice,) if cols is None else (row_slice, slice(*cols))
+
+
+def iter_sources(file: Path) -> Iterator[tuple[str, TensorSource]]:
+    """Yield (name, source) one at a time; a safetensors source reads only the slice asked
+    for, a torch checkpoint's is a slice of the memory-mapped tensor."""
+    if file.suffix != ".safetensors":
+        for name, tensor in iter_tensors(file):
+
+            def read_mapped(
+                rows: tuple[int, int] | None,
+                cols: tuple[int, int] | None,
+                tensor: torch.Tensor = tensor,
+            ) -> torch.Tensor:
+                return tensor[_index(rows, cols)]
+
+            yield name, TensorSource(tuple(tensor.shape), read_mapped)
+        return
+    try:
+        f = safe_open(str(file), framework="pt")
+        names = list(f.keys())
+    except Exception as e:  # SafetensorError derives from Exception only
+        raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
+    for name in names:
+
+        def read(
+            rows: tuple[int, int] | None, cols: tuple[int, int] | None, name: str = name
+        ) -> torch.Tensor:
+            try:
+                if rows is None and cols is None:
+                    return f.get_tensor(name)
+                return f.get_slice(name)[_index(rows, cols)]
+            except Exception as e:
+                raise CheckpointError(f"{file}: tensor '{name}' is unreadable ({e})") from e
+
+        try:
+            shape = tuple(f.get_slice(name).get_shape())
+        except Exception as e:
+            raise CheckpointError(f"{file}: tensor '{name}' is unreadable ({e})") from e
+        yield name, TensorSource(shape, read)
 
 
 def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -98,18 +156,22 @@ def load_weights(model: Loadable, folder: str | Path) -> None:
     files, where = checkpoint_files(folder)
     loaded: set[str] = set()
     for file in files:
-        for name, tensor in iter_tensors(file):
+        for name, source in iter_sources(file):
             if name.endswith(IGNORED_SUFFIXES):
                 continue
             if name not in targets:
                 if name == "lm_head.weight" and "lm_head.weight" not in targets:
                     continue  # a tied checkpoint that also stores the head
                 raise CheckpointError(f"{file}: unexpected tensor '{name}'")
-            dest, row_offset, shape, scale = targets[name]
-            if tuple(tensor.shape) != shape:
+            dest, row_offset, shape, scale, source_rows, source_cols = targets[name]
+            if source.shape != shape:
                 raise CheckpointError(
-                    f"{file}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {shape}"
+                    f"{file}: tensor '{name}' has shape {source.shape}, expected {shape}"
                 )
+            loaded.add(name)
+            if dest is None:
+                continue
+            tensor = source.read(source_rows, source_cols)
             if scale != 1.0:
                 tensor = tensor.to(torch.float32) * scale
             if isinstance(dest, Linear):
@@ -117,7 +179,6 @@ def load_weights(model: Loadable, folder: str | Path) -> None:
             else:
                 with torch.no_grad():
                     dest.copy_(tensor)
-            loaded.add(name)
     missing = sorted(targets.keys() - loaded)
     if missing:
         name = missing[0]
