@@ -37,17 +37,21 @@ models: install ## Prepare SmolLM2-135M-Instruct and the tiny test checkpoints i
 	$(PY) -m tools.prepare_models
 
 .PHONY: lint
-lint: gen-proto ## ruff + mypy, hadolint on the Dockerfile, docker-compose.yml against the compose spec
-	$(VENV)/bin/ruff check engine server training tests bench tools integration_tests
-	$(VENV)/bin/ruff format --check engine server training tests bench tools integration_tests
+lint: gen-proto ## ruff + mypy, hadolint on the Dockerfile, docker-compose.yml against the compose spec, deploy/ against the Kubernetes and KServe schemas
+	$(VENV)/bin/ruff check engine server training tests bench tools integration_tests deploy
+	$(VENV)/bin/ruff format --check engine server training tests bench tools integration_tests deploy
 	$(VENV)/bin/mypy engine server training tools
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	$(VENV)/bin/kubernetes-validate --strict --kubernetes-version 1.29.0 --quiet deploy/kubernetes/*.yaml
+	$(PY) deploy/kserve/schemas/generate.py --check
+	$(VENV)/bin/check-jsonschema --schemafile deploy/kserve/schemas/servingruntime.json deploy/kserve/servingruntime.yaml
+	$(VENV)/bin/check-jsonschema --schemafile deploy/kserve/schemas/inferenceservice.json deploy/kserve/inferenceservice*.yaml
 
 .PHONY: format
 format: install ## Apply ruff's formatting and fixes
-	$(VENV)/bin/ruff format engine server training tests bench tools integration_tests
-	$(VENV)/bin/ruff check --fix engine server training tests bench tools integration_tests
+	$(VENV)/bin/ruff format engine server training tests bench tools integration_tests deploy
+	$(VENV)/bin/ruff check --fix engine server training tests bench tools integration_tests deploy
 
 .PHONY: test
 test: models lint gen-proto ## Install, prepare models, lint, run all tests
