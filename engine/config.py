@@ -125,10 +125,15 @@ class EngineConfig:
     """Where the tensor-parallel ranks meet: rank 0's host name or address."""
     master_port: int = 29500
     """... and a free TCP port there."""
+    shard_timeout_s: float = 120.0
+    """How long a tensor-parallel rank waits for the others within a step before the group
+    fails (a rank that hangs)."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.shard_timeout_s <= 0:
+            raise ValueError(f"shard_timeout_s must be > 0, got {self.shard_timeout_s}")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -331,7 +331,8 @@ class ModelRunner:
         if embeds:
             inputs_embeds = self.model.embed(ids_d)  # [N, hidden]
             overrides = self.model.scale_input_embeds(torch.cat(embeds))  # [K, hidden]
-            inputs_embeds.index_copy_(0, embed_rows_d, overrides.to(inputs_embeds.dtype))
+            overrides = overrides.to(inputs_embeds.device, inputs_embeds.dtype)
+            inputs_embeds.index_copy_(0, embed_rows_d, overrides)
         hidden = self.model(ids_d, positions_d, self.kv_caches, metadata, inputs_embeds)
         if not all_rows:
             hidden = hidden.index_select(0, rows_d)

@@ -130,6 +130,14 @@ class ServerConfig:
         default=29500,
         metadata=_meta("Free TCP port on master_addr where the tensor-parallel ranks meet."),
     )
+    shard_timeout_s: float = field(
+        default=120.0,
+        metadata=_meta(
+            "Seconds a tensor-parallel rank waits for the others within a step; a rank that "
+            "hangs longer stops the server (exit code 1).",
+            env=("SHARD_TIMEOUT_SECONDS",),
+        ),
+    )
     max_sequence_length: int | None = field(
         default=None,
         metadata=_meta(
@@ -377,6 +385,8 @@ class ServerConfig:
         for name in ("grpc_port", "port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.shard_timeout_s <= 0:
+            raise ValueError(f"shard_timeout_s must be > 0, got {self.shard_timeout_s}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         for name in ("speculator_n_predict", "speculator_n_candidates"):

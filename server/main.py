@@ -101,6 +101,7 @@ def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfi
         tensor_parallel_size=config.num_shard,
         master_addr=config.master_addr,
         master_port=config.master_port,
+        shard_timeout_s=config.shard_timeout_s,
     )
 
 

@@ -5,8 +5,9 @@ first sends the step's inputs to every other rank in one `StepChannel` message, 
 run the forward pass together. KV moves of accepted drafts (`copy_slots`) travel with the next
 message, so they reach every rank before the next forward pass reads them.
 
-A failure anywhere (a rank that exits, a collective that errs or exceeds `STEP_TIMEOUT_S`)
-breaks the group for good: `ShardProcesses.fail` reports it and every later `execute` raises.
+A failure anywhere (a rank that exits, a collective that errs or waits longer than
+`EngineConfig.shard_timeout_s`) breaks the group for good: `ShardProcesses.fail` reports it
+and every later `execute` raises.
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ from engine.parallel.processes import ShardProcesses
 from engine.parallel.shard import Shard, check_shardable
 
 logger = logging.getLogger(__name__)
-
-STEP_TIMEOUT_S = 120.0
-"""How long a collective of a forward pass waits for the other ranks before the group fails."""
 
 STOP_TIMEOUT_S = 30.0
 """How long `close` waits for the other ranks to exit before killing them."""
@@ -78,7 +76,7 @@ def _init_group(
         config.master_port,
         size,
         is_master=rank == 0,
-        timeout=timedelta(seconds=STEP_TIMEOUT_S),
+        timeout=timedelta(seconds=config.shard_timeout_s),
         wait_for_workers=False,
     )
     store.add("joined", 1)
@@ -91,10 +89,22 @@ def _init_group(
         store=store,
         rank=rank,
         world_size=size,
-        timeout=timedelta(seconds=STEP_TIMEOUT_S),
+        timeout=timedelta(seconds=config.shard_timeout_s),
     )
     control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
     return Shard(rank, size, dist.group.WORLD, control), StepChannel(control)
+
+
+def _on_cpu(seq: SequenceInput) -> SequenceInput:
+    """`seq` with its tensors on the CPU (a pickled CUDA tensor would land on cuda:0)."""
+    mask, embeds = seq.tree_mask, seq.prefix_embeds
+    if (mask is None or not mask.is_cuda) and (embeds is None or not embeds.is_cuda):
+        return seq
+    return replace(
+        seq,
+        tree_mask=None if mask is None else mask.cpu(),
+        prefix_embeds=None if embeds is None else embeds.cpu(),
+    )
 
 
 class LeaderRunner(ModelRunner):
@@ -117,7 +127,7 @@ class LeaderRunner(ModelRunner):
 
     def execute(self, seqs: list[SequenceInput]) -> ModelOutput:
         try:
-            self._send(_Step(seqs))
+            self._send(_Step([_on_cpu(s) for s in seqs]))
             return super().execute(seqs)
         except Exception as e:
             self.ranks.fail(f"rank 0's step failed: {e}", grace_s=2.0)
@@ -142,16 +152,17 @@ class LeaderRunner(ModelRunner):
 
     def close(self) -> None:
         """Tell every rank to stop, wait for them (up to STOP_TIMEOUT_S, then kill them) and
-        leave the process group."""
+        leave the process group; after a failure, kill them at once."""
         if self._closed:
             return
         self._closed = True
+        timeout = STOP_TIMEOUT_S
         try:
-            if self.ranks.failure is None:
-                self._send(_Stop())
-        except Exception as e:  # a broken group: the ranks are stopped below regardless
-            logger.warning("could not tell the shard ranks to stop: %s", e)
-        self.ranks.stop(STOP_TIMEOUT_S)
+            self._send(_Stop())
+        except Exception as e:  # a broken group: its ranks cannot follow a message
+            logger.warning("killing the shard ranks: %s", e)
+            timeout = 0.0
+        self.ranks.stop(timeout)
         dist.destroy_process_group()
 
 

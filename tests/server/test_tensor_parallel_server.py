@@ -128,6 +128,31 @@ def test_a_killed_rank_stops_the_server_naming_it(tmp_path: Path) -> None:
     assert termination_log.read_text().strip() == "shard rank 1 was killed by SIGKILL"
 
 
+def test_a_hung_rank_stops_the_server_after_the_shard_timeout(tmp_path: Path) -> None:
+    path = _path("tiny-llama-gqa-tied")
+    env = _env(2, SHARD_TIMEOUT_SECONDS="3")
+    server = ServerProcess(path, env=env, log_path=tmp_path / "server.log").start()
+    try:
+        (rank1,) = _rank_pids(server).values()
+        os.kill(rank1, signal.SIGSTOP)
+        hung = time.monotonic()
+        with grpc.insecure_channel(server.grpc_target) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            request = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="Hi")])
+            with pytest.raises(grpc.RpcError):
+                stub.Generate(request, timeout=60)
+        code = server.wait(timeout_s=30)
+        assert time.monotonic() - hung < 30
+    finally:
+        server.stop()
+    assert code == 1
+    assert "Timed out waiting 3000ms" in server.log_text()
+    deadline = time.monotonic() + 10
+    while not _gone(rank1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(rank1)
+
+
 def test_sigterm_under_load_drains_and_stops_every_rank(tmp_path: Path) -> None:
     path = _path("tiny-llama-gqa-tied")
     server = ServerProcess(path, env=_env(4), log_path=tmp_path / "server.log")

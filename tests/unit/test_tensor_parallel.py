@@ -21,6 +21,7 @@ import torch
 
 from engine.llm import LLM, GenerationOutput
 from engine.models.config import LlamaConfig
+from engine.parallel.channel import CAPACITY
 from engine.parallel.runner import LeaderRunner
 from engine.parallel.shard import ShardLayout
 from engine.paths import default_model_path, model_path
@@ -164,3 +165,19 @@ def test_a_killed_rank_fails_every_later_step_naming_it() -> None:
                 llm.generate(PROMPTS[:1], 4)
         assert time.monotonic() - start < 30
         assert failures == ["shard rank 1 was killed by SIGKILL"]
+
+
+def test_a_prompt_prefix_longer_than_the_step_buffer_matches_one_shard() -> None:
+    """Prompt-tuning embeddings reach every rank (here in a second broadcast: 300 x hidden
+    floats exceed `CAPACITY`)."""
+    path = _path("tiny-llama-gqa-tied")
+    hidden = LlamaConfig.from_folder(path).hidden_size
+    prefix = torch.randn(300, hidden, generator=torch.Generator().manual_seed(0))
+    assert prefix.numel() * 4 > CAPACITY
+    with LLM(path, max_num_tokens=MAX_NUM_TOKENS) as llm:
+        ref = llm.generate(PROMPTS, 8, return_logits=True, prompt_prefix=prefix)
+    with LLM(
+        path, max_num_tokens=MAX_NUM_TOKENS, tensor_parallel_size=2, master_port=free_port()
+    ) as llm:
+        ours = llm.generate(PROMPTS, 8, return_logits=True, prompt_prefix=prefix)
+    print(f"prompt prefix x2: {_compare(ours, ref)} near-ties")
