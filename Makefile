@@ -110,6 +110,10 @@ bench-spec-onoff: models ## Speculation on vs off in one engine, alternating 2.5
 bench-spec-sampled: models gen-proto ## Seeded sampling, speculation on vs off: identical tokens offline and via gRPC for 3 models, random/scripted/trained speculators
 	$(PY) -m bench.spec_sampled_equality
 
+.PHONY: bench-tp
+bench-tp: models ## Tensor parallelism on this host: per-rank memory and tokens/s with 1 and 3 shards (SHARDS="1 2 4", MODEL=PATH)
+	$(PY) -m bench.tensor_parallel $(if $(SHARDS),--shards $(SHARDS)) $(if $(MODEL),--model $(MODEL))
+
 .PHONY: gpu-check
 gpu-check: ## Prove the CUDA path in one run (<8 min) with the system python3, no venv; GPU_CHECK_ARGS="--device cpu --small" dry-runs it
 	$(PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)

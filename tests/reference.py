@@ -1,7 +1,9 @@
-"""transformers as the oracle: greedy generation with per-step logits, and the near-tie rule."""
+"""transformers as the oracle: greedy generation with per-step logits, and the near-tie rule;
+`TreeRows`, an observer that proves speculation ran."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -113,3 +115,19 @@ def hf_greedy_with_prefix(
             pad_token_id=model.generation_config.eos_token_id,
         )
     return Reference(out.sequences[0].tolist(), [step[0].float() for step in out.logits])
+
+
+class TreeRows:
+    """Counts the logits rows of verified draft trees (an engine observer)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_logits(
+        self,
+        request_ids: Sequence[str],
+        logits: torch.Tensor,
+        hidden_states: torch.Tensor,
+        from_tree: bool,
+    ) -> None:
+        self.count += len(request_ids) if from_tree else 0

@@ -85,7 +85,13 @@ def iter_sources(file: Path) -> Iterator[tuple[str, TensorSource]]:
     """Yield (name, source) one at a time; a safetensors source reads only the slice asked
     for, a torch checkpoint's is a slice of the memory-mapped tensor."""
     if file.suffix != ".safetensors":
-        for name, tensor in iter_tensors(file):
+        try:
+            state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{file}: unreadable torch checkpoint ({e})") from e
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{file}: expected a state dict, found {type(state).__name__}")
+        for name, tensor in state.items():
 
             def read_mapped(
                 rows: tuple[int, int] | None,
@@ -121,27 +127,9 @@ def iter_sources(file: Path) -> Iterator[tuple[str, TensorSource]]:
 
 
 def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time, on the CPU."""
-    if file.suffix == ".safetensors":
-        try:
-            f = safe_open(str(file), framework="pt")
-            names = list(f.keys())
-        except Exception as e:  # SafetensorError derives from Exception only
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
-        for name in names:
-            try:
-                tensor = f.get_tensor(name)
-            except Exception as e:
-                raise CheckpointError(f"{file}: tensor '{name}' is unreadable ({e})") from e
-            yield name, tensor
-        return
-    try:
-        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{file}: unreadable torch checkpoint ({e})") from e
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{file}: expected a state dict, found {type(state).__name__}")
-    yield from state.items()
+    """Yield (name, tensor) one at a time, on the CPU (a torch checkpoint's memory-mapped)."""
+    for name, source in iter_sources(file):
+        yield name, source.read(None, None)
 
 
 def load_weights(model: Loadable, folder: str | Path) -> None:

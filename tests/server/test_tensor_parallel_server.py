@@ -64,6 +64,14 @@ def _gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
+def _all_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    """Whether every process in `pids` exits within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return all(_gone(pid) for pid in pids)
+
+
 @pytest.mark.parametrize(
     ("name", "num_shards", "speculate"), CASES, ids=[f"{n}-{k}" for n, k, _ in CASES]
 )
@@ -147,10 +155,7 @@ def test_a_hung_rank_stops_the_server_after_the_shard_timeout(tmp_path: Path) ->
         server.stop()
     assert code == 1
     assert "Timed out waiting 3000ms" in server.log_text()
-    deadline = time.monotonic() + 10
-    while not _gone(rank1) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _gone(rank1)
+    assert _all_gone([rank1])
 
 
 def test_sigterm_under_load_drains_and_stops_every_rank(tmp_path: Path) -> None:
@@ -193,7 +198,4 @@ def test_sigterm_under_load_drains_and_stops_every_rank(tmp_path: Path) -> None:
         t.join(timeout=60)
     assert code == 0
     assert counts == [48] * 4 and not errors  # in-flight requests finished within the grace
-    deadline = time.monotonic() + 10
-    while not all(_gone(pid) for pid in ranks.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sorted(ranks) == [1, 2, 3] and all(_gone(pid) for pid in ranks.values())
+    assert sorted(ranks) == [1, 2, 3] and _all_gone(list(ranks.values()))

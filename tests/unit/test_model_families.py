@@ -6,7 +6,6 @@ is refused."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from tests.families import (
     checkpoint,
     retype,
 )
-from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
+from tests.reference import TreeRows, chat_prompt_ids, compare_greedy, hf_greedy
 from tools.tiny_speculator import write_tiny_speculator
 
 NUM_PROMPTS = 2
@@ -39,22 +38,6 @@ BASE = {
 @pytest.fixture(scope="module")
 def checkpoints() -> dict[str, Path]:
     return {variant: checkpoint(variant) for variant in VARIANTS}
-
-
-class TreeRows:
-    """Counts the logits rows of verified draft trees."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def on_logits(
-        self,
-        request_ids: Sequence[str],
-        logits: torch.Tensor,
-        hidden_states: torch.Tensor,
-        from_tree: bool,
-    ) -> None:
-        self.count += len(request_ids) if from_tree else 0
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from engine.parallel.channel import CAPACITY
 from engine.parallel.runner import LeaderRunner
 from engine.parallel.shard import ShardLayout
 from engine.paths import default_model_path, model_path
-from tests.reference import Reference, compare_greedy, require_model
+from tests.reference import Reference, TreeRows, compare_greedy, require_model
 from tools.server_process import free_port
 from tools.tiny_speculator import write_tiny_speculator
 
@@ -65,22 +64,6 @@ def _one_shard(name: str) -> tuple[list[GenerationOutput], torch.Tensor, int]:
         return outputs, kv, _weight_bytes(llm)
 
 
-class _TreeRows:
-    """Counts the logits rows tokens are chosen from along draft trees."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def on_logits(
-        self,
-        request_ids: Sequence[str],
-        logits: torch.Tensor,
-        hidden_states: torch.Tensor,
-        from_tree: bool,
-    ) -> None:
-        self.count += len(request_ids) if from_tree else 0
-
-
 def _compare(ours: list[GenerationOutput], ref: list[GenerationOutput]) -> int:
     """compare_greedy for every prompt; returns the number of near-ties."""
     near_ties = 0
@@ -111,7 +94,7 @@ def test_shards_match_one_shard(name: str, num_shards: int, tmp_path: Path) -> N
         kv_by_rank = runner.read_kv(list(range(num_slots)))
         llm.engine.scheduler.check_integrity()
         llm.engine.set_drafter(drafter)
-        tree_rows = _TreeRows()
+        tree_rows = TreeRows()
         llm.engine.observers.append(tree_rows)
         speculated = llm.generate(PROMPTS, MAX_NEW_TOKENS, return_logits=True)
         assert tree_rows.count > 0  # tokens were chosen along verified draft trees
