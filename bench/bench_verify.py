@@ -4,14 +4,18 @@ the same number of rows, and vs a plain decode step, measured in one run.
 The tree is what the MLP speculator proposes with top-k [5, 3, 2] and 5 candidates, on a chat
 prompt's real final hidden state: a trained speculator's (`--speculator PATH`, drafting from its
 draft vocabulary when it has one) or a random one of the same shape over the whole vocabulary;
-`--worst-case` uses five disjoint paths instead (16 rows). The speculator's own drafting time is
-reported too. With `--temperature`, the speculator's tokens per verified tree on the held-out
-prompts is reported for greedy decoding and for sampling at that temperature and `--top-p`.
+`--worst-case` uses five disjoint paths instead (16 rows). It is verified whole and cut to its
+first `--rows` rows (4 and 8 by default; 4 rows is the best candidate's path), as the scheduler
+trims trees. The speculator's own drafting time is reported too, and per tree size
+(verify + drafting) / plain: what a step that gains tokens by speculation costs against a plain
+step. All of these are timed in one interleaved run. With `--temperature`, the speculator's
+tokens per verified tree on the held-out prompts is reported for greedy decoding and for
+sampling at that temperature and `--top-p`.
 Last, one pass over the model's linear layers at 1, 4, 8 and 16 rows: with the kernels the engine
 chose, and with the "rows" kernel (engine/kernels/rows_gemm.c) on every layer.
 
     python -m bench.bench_verify [--model PATH] [--speculator PATH] [--top-k 5 3 2]
-                                 [--candidates 5] [--temperature 0.7 --top-p 0.9]
+                                 [--candidates 5] [--rows 4 8] [--temperature 0.7 --top-p 0.9]
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
 from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.mlp_speculator import CANDIDATE_SELECTIONS
-from engine.spec_decode.proposer import use_engine_linears
+from engine.spec_decode.proposer import single_threaded_glue, use_engine_linears
 from engine.spec_decode.tree import DraftTree
 from tools.tiny_speculator import write_tiny_speculator
 from training.evaluate import evaluate_speculator
@@ -77,6 +81,9 @@ def main() -> None:
     parser.add_argument("--speculator", type=Path, help="a trained speculator folder")
     parser.add_argument("--worst-case", action="store_true")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[4, 8], help="also verify the tree's first rows"
+    )
     parser.add_argument("--temperature", type=float, help="also: tokens per step, sampled")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--eval-prompts", type=int, default=16)
@@ -114,65 +121,82 @@ def main() -> None:
     paths = draft()[0].tolist()
     plain_draft_s = best_of(draft, args.repeats)
     use_engine_linears(speculator)  # as MLPProposer serves it
+    plain_draft = draft
+
+    def draft() -> torch.Tensor:
+        with single_threaded_glue(state.device):  # as MLPProposer.propose drafts
+            return plain_draft()
+
     if args.worst_case:
         paths = [[1000 * (c + 1) + d for d in range(depth)] for c in range(args.candidates)]
-    tree = DraftTree.from_paths(paths)
-    rows = tree.num_drafts + 1
-    verify = SequenceInput(
-        [int(last), *tree.token_ids],
-        len(prompt),
-        table,
-        positions=[len(prompt) + d for d in tree.depths],
-        tree_mask=tree.attention_mask(),
-        logits_indices=list(range(rows)),
-    )
-    draft_s = best_of(draft, args.repeats)
-    with engine_step(llm, [prompt]) as plain:
-        times = interleaved_min(
-            {
-                "verify": lambda: runner.execute([verify]),
-                "floor": matmul_floor(llm, rows),
-                "plain": plain,
-                "floor1": matmul_floor(llm, 1),
-            },
-            args.repeats,
+    full = DraftTree.from_paths(paths)
+    # The first R - 1 drafts of the tree, as the scheduler trims it: R = 4 is candidate 0's path.
+    trees = {min(r, full.num_drafts + 1): full.truncate(r - 1) for r in (*args.rows, 10**9)}
+    verifies = {
+        rows: SequenceInput(
+            [int(last), *tree.token_ids],
+            len(prompt),
+            table,
+            positions=[len(prompt) + d for d in tree.depths],
+            tree_mask=tree.attention_mask(),
+            logits_indices=list(range(rows)),
         )
+        for rows, tree in trees.items()
+    }
+    fns: dict[str, Callable[[], object]] = {"draft": draft}
+    with engine_step(llm, [prompt]) as plain:
+        fns["plain"], fns["floor1"] = plain, matmul_floor(llm, 1)
+        for rows, verify in verifies.items():
+            fns[f"verify{rows}"] = lambda verify=verify: runner.execute([verify])
+            fns[f"floor{rows}"] = matmul_floor(llm, rows)
+        times = {name: t * 1e3 for name, t in interleaved_min(fns, args.repeats).items()}
     kv.free(seq)
-    verify_s, floor_s, plain_s, floor1_s = (
-        times[k] for k in ("verify", "floor", "plain", "floor1")
-    )
+    plain_ms, floor1_ms, draft_ms = times["plain"], times["floor1"], times["draft"]
 
+    def cost(rows: int) -> dict[str, float]:
+        verify_ms = times[f"verify{rows}"]
+        return {
+            "rows": rows,
+            "verify_step_ms": verify_ms,
+            "matmul_floor_same_rows_ms": times[f"floor{rows}"],
+            "verify_over_floor": verify_ms / times[f"floor{rows}"],
+            "verify_over_plain": verify_ms / plain_ms,
+            "verify_and_draft_over_plain": (verify_ms + draft_ms) / plain_ms,
+        }
+
+    costs = [cost(rows) for rows in sorted(trees)]
+    largest = costs[-1]
     result: dict[str, object] = {
         "model": args.model.name,
         "top_k": args.top_k,
         "candidates": args.candidates,
-        "tree_rows": rows,
-        "verify_step_ms": verify_s * 1e3,
-        "matmul_floor_same_rows_ms": floor_s * 1e3,
-        "verify_over_floor": verify_s / floor_s,
-        "plain_step_ms": plain_s * 1e3,
-        "matmul_floor_1_row_ms": floor1_s * 1e3,
-        "verify_over_plain": verify_s / plain_s,
+        "tree_rows": largest["rows"],
+        **{k: v for k, v in largest.items() if k != "rows"},
+        "plain_step_ms": plain_ms,
+        "matmul_floor_1_row_ms": floor1_ms,
         "speculator": str(args.speculator) if args.speculator else None,
         "draft_vocabulary_size": num_draft_tokens,
-        "draft_ms": draft_s * 1e3,
+        "draft_ms": draft_ms,
         "draft_nn_linear_ms": plain_draft_s * 1e3,
+        "trees": costs,
     }
     print(
         f"model {args.model.name}, float32, {torch.get_num_threads()} threads; tree top-k "
-        f"{args.top_k} x {args.candidates} candidates = {rows} rows (root + drafts)"
+        f"{args.top_k} x {args.candidates} candidates = {largest['rows']} rows (root + drafts), "
+        "and its first drafts; one interleaved run, ms"
     )
-    print(f"{'':<26}{'ms':>8}")
-    print(f"{'verify step':<26}{verify_s * 1e3:>8.2f}")
     print(
-        f"{'matmuls, same rows':<26}{floor_s * 1e3:>8.2f}   verify/floor {verify_s / floor_s:.3f}"
+        f"plain decode step {plain_ms:.2f}, its matmuls {floor1_ms:.2f}; speculator drafting "
+        f"{draft_ms:.2f} (nn.Linear: {plain_draft_s * 1e3:.2f}; from {num_draft_tokens} tokens)"
     )
-    print(f"{'plain decode step':<26}{plain_s * 1e3:>8.2f}   verify/plain {verify_s / plain_s:.3f}")
-    print(f"{'matmuls, 1 row':<26}{floor1_s * 1e3:>8.2f}")
-    print(
-        f"{'speculator drafting':<26}{draft_s * 1e3:>8.2f}   "
-        f"(nn.Linear: {plain_draft_s * 1e3:.2f}; from {num_draft_tokens} tokens)"
-    )
+    print(f"{'rows':>5} {'verify':>8} {'matmuls':>8} {'verify/matmuls':>15} {'verify/plain':>13} "
+          f"{'(verify+draft)/plain':>21}")  # fmt: skip
+    for c in costs:
+        print(
+            f"{c['rows']:>5} {c['verify_step_ms']:>8.2f} {c['matmul_floor_same_rows_ms']:>8.2f} "
+            f"{c['verify_over_floor']:>15.3f} {c['verify_over_plain']:>13.3f} "
+            f"{c['verify_and_draft_over_plain']:>21.3f}"
+        )
     if args.temperature is not None:
         print(f"tokens per verified tree, {args.eval_prompts} held-out prompts:")
         for temperature in (0.0, args.temperature):

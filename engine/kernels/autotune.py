@@ -42,6 +42,9 @@ class KernelTable:
     chosen: dict[tuple[int, int], dict[int, str]] = field(default_factory=dict)
     threads: int = 1
     seconds: float = 0.0
+    passes: dict[int, dict[str, float]] = field(default_factory=dict)
+    """M -> {variant: ms of one pass over all layers}: "per shape" (the per-shape choices) and
+    "all NAME" (kernel NAME on every layer), what decided the plan (see ``select_kernels``)."""
     shared: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def format(self) -> str:
@@ -62,6 +65,10 @@ class KernelTable:
                 else:
                     out.append(f"{c.ms:8.3f} ({c.gbps:5.1f})".rjust(16) + mark)
             lines.append(f"{shape[0]:>5}->{shape[1]:<6} {m:>5} " + " ".join(out))
+        for m, times in self.passes.items():
+            best = min(times, key=lambda v: times[v])
+            text = ", ".join(f"{v} {t:.3f}{'*' if v == best else ''}" for v, t in times.items())
+            lines.append(f"one pass, M {m}, ms: {text}")
         return "\n".join(lines)
 
 
@@ -119,6 +126,22 @@ def _time_cell(
     return cells
 
 
+def _time_passes(
+    passes: dict[str, list[tuple[KernelFn, torch.Tensor]]], rounds: int
+) -> dict[str, float]:
+    """Best milliseconds of each pass (kernels applied in order, each to its input), the passes
+    run in turn ``rounds`` times after one warm-up each."""
+    best = dict.fromkeys(passes, float("inf"))
+    for r in range(rounds + 1):
+        for name, calls in passes.items():
+            t0 = time.perf_counter()
+            for fn, x in calls:
+                fn(x)
+            if r:
+                best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
+    return best
+
+
 def select_kernels(
     linears: Iterable[Linear],
     m_values: Sequence[int] = DEFAULT_M_VALUES,
@@ -129,6 +152,7 @@ def select_kernels(
     prune: float = 1.25,
     openblas_threads: int = 1,
     default_margin: float = 1.1,
+    pass_rounds: int = 5,
 ) -> KernelTable:
     """Time each candidate kernel per distinct (in, out, dtype, bias) group and per M in
     ``m_values``; install the fastest exact one per M bucket in every layer of the group.
@@ -146,17 +170,28 @@ def select_kernels(
     the caller only. onnxruntime gets ``torch.get_num_threads()`` threads that do not spin.
     The kernel `engine.kernels.matmul.default_kernel` names for an M is kept unless the fastest
     exact one beats it by more than ``default_margin`` x.
+
+    Last, per M, one pass over all the layers (in the order given, as a forward pass calls them)
+    with the per-shape choices is timed against passes with one kernel on every layer (each
+    kernel chosen for some shape at that M, and the default one, where exact on every shape), in
+    turn ``pass_rounds`` times (0: skip), and the fastest is installed: a kernel's cost in a pass
+    depends on its neighbours (a thread pool that another library's call let fall asleep, caches
+    that a different layout left cold), which timing one shape at a time does not see.
     """
     t_start = time.perf_counter()
     table = KernelTable(threads=torch.get_num_threads())
     table.shared["openblas_threads"] = openblas_threads
     groups: dict[tuple[Any, ...], list[Linear]] = {}
-    for layer in linears:
+    linears_list = list(linears)
+    # group -> (its layers, kernel name -> one kernel per layer, (kernel, M) -> exact, plan)
+    built: dict[tuple[Any, ...], tuple[list[Linear], dict[str, list[KernelFn]], Any, Any]] = {}
+    for layer in linears_list:
         if layer.transposed:
             key = (layer.in_features, layer.out_features, layer.dtype, layer.bias is not None)
             groups.setdefault(key, []).append(layer)
     gen = torch.Generator().manual_seed(0)
-    for (k, n, dtype, _), layers in groups.items():
+    for group, layers in groups.items():
+        k, n, dtype, _ = group
         registry = matmul.KERNELS  # looked up per call, so tests may substitute the registry
         names = [
             s.name for s in registry.values()
@@ -164,11 +199,13 @@ def select_kernels(
         ]  # fmt: skip
         fns = {name: [registry[name].build(ly, table.shared) for ly in layers] for name in names}
         plan: dict[int, str] = {}
+        exact_at: dict[tuple[str, int], bool] = {}  # (kernel, M) -> exact on this group
         for m in sorted(set(m_values)):
             x = torch.randn((m, k), generator=gen).to(dtype)
             cells = _time_cell(layers, fns, x, rounds, target_s, prune)
             table.timings.extend(cells.values())
             exact = [c for c in cells.values() if c.exact]
+            exact_at.update({(c.kernel, m): c.exact for c in cells.values()})
             best = min(exact, key=lambda c: c.ms) if exact else None
             default = cells.get(matmul.default_kernel(m))
             if best is not None and default is not None and default.exact:
@@ -178,6 +215,38 @@ def select_kernels(
             if plan[m] not in fns:  # nothing exact: fall back to F.linear
                 fns["torch"] = [matmul.torch_kernel(ly) for ly in layers]
         table.chosen[(k, n)] = plan
+        built[group] = (layers, fns, exact_at, plan)
+    order = [ly for ly in linears_list if ly.transposed]
+    for m in sorted(set(m_values)) if pass_rounds > 0 and order else ():
+        chosen = {b[3][m] for b in built.values()}
+        uniform = [
+            name
+            for name in sorted(chosen | {matmul.default_kernel(m)})
+            if all(
+                name in fns and exact_at.get((name, m), False)
+                for _, fns, exact_at, _ in built.values()
+            )
+        ]  # kernels that may serve every layer at this M
+        if len(chosen) == 1 and len(uniform) <= 1:
+            continue  # one kernel everywhere already, and no other to try
+        variants = {f"all {name}": name for name in uniform}
+        if len(chosen) > 1:
+            variants["per shape"] = ""
+        calls: dict[str, list[tuple[KernelFn, torch.Tensor]]] = {v: [] for v in variants}
+        for layer in order:
+            key = (layer.in_features, layer.out_features, layer.dtype, layer.bias is not None)
+            layers, fns, _, plan = built[key]
+            i = next(j for j, ly in enumerate(layers) if ly is layer)
+            x = torch.randn((m, layer.in_features), generator=gen).to(layer.dtype)  # [M, in]
+            for variant, name in variants.items():
+                calls[variant].append((fns[name or plan[m]][i], x))
+        times = _time_passes(calls, pass_rounds)
+        table.passes[m] = times
+        fastest = min(times, key=lambda v: times[v])
+        if variants[fastest]:
+            for _, _, _, plan in built.values():
+                plan[m] = variants[fastest]
+    for layers, fns, _, plan in built.values():
         for i, layer in enumerate(layers):
             layer.install({m: (name, fns[name][i]) for m, name in plan.items()})
     table.seconds = time.perf_counter() - t_start

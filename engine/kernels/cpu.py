@@ -196,8 +196,10 @@ class RowsGemm:
     process-wide pool of threads (the caller plus ``threads - 1`` workers).
 
     ``pack`` copies a layer's W^T into the panel layout the kernel streams; ``matmul`` runs on
-    such a copy. ``isa`` names the compiled path: "avx512", "avx2" or "scalar". Calls from
-    several Python threads are serialised inside the library.
+    such a copy. ``matmul_inplace`` reads W^T itself, 16-column panels at its row stride, where
+    the output features are a multiple of 16 (no copy, but slower: each step of a panel is a
+    row of W^T away from the last). ``isa`` names the compiled path: "avx512", "avx2" or
+    "scalar". Calls from several Python threads are serialised inside the library.
     """
 
     PANEL = 16  # columns per packed panel
@@ -206,6 +208,7 @@ class RowsGemm:
         self.lib = lib
         for name, argtypes, restype in [
             ("rows_gemm", [_P, _I, _P, _P, _P, _I, _I, _I], ctypes.c_int),
+            ("rows_gemm_inplace", [_P, _I, _P, _I, _P, _P, _I, _I, _I], ctypes.c_int),
             ("rows_gemm_pack", [_P, _I, _I, _I, _P], None),
             ("rows_gemm_packed_size", [_I, _I], _I),
             ("rows_gemm_set_threads", [ctypes.c_int], None),
@@ -219,6 +222,7 @@ class RowsGemm:
             fn.argtypes = argtypes
             fn.restype = restype
         self._run = lib.rows_gemm
+        self._run_inplace = lib.rows_gemm_inplace
         self.isa: str = lib.rows_gemm_isa().decode()
 
     @property
@@ -272,6 +276,27 @@ class RowsGemm:
             x.data_ptr(), x.stride(0), packed.data_ptr(),
             None if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n,
         )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("rows_gemm: no memory for a copy of x")
+        return y
+
+    def matmul_inplace(
+        self, x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, in] float32 (M >= 1) @ wt -> y [M, out] float32, reading W^T ``wt`` [in, out]
+        (last dim contiguous, out a multiple of 16) in place; plus ``bias`` [out] when given.
+        ValueError if out is not a multiple of 16."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        n = wt.shape[1]
+        y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
+        rc = self._run_inplace(
+            x.data_ptr(), x.stride(0), wt.data_ptr(), wt.stride(0),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n,
+        )  # fmt: skip
+        if rc == -2:
+            raise ValueError(f"rows_gemm_inplace: out features {n} not a multiple of 16")
         if rc != 0:
             raise MemoryError("rows_gemm: no memory for a copy of x")
         return y

@@ -10,10 +10,13 @@ On CPU the weight is stored transposed, ``W^T`` as ``[in, out]`` contiguous: Ope
 onnxruntime's MLAS read that layout fastest; oneDNN and MKL read it as a transposed ``[out, in]``
 view.
 
-The "rows" kernel (`engine/kernels/rows_gemm.c`, for 1 to 16 rows; more in passes) reads a copy
-of W^T packed into 16-column panels, made when the kernel is built for a layer: that copy exists
-only for layers where the kernel was built and is still referenced (chosen by selection, or held by
-a caller), and it does not see later changes to the layer's weights, so build it after loading.
+The "rows" kernel (`engine/kernels/rows_gemm.c`: 1 to 16 rows a pass, up to `ROWS_MAX` rows; oneDNN
+above) reads a copy of W^T packed into 16-column panels, made when the kernel is built for a
+layer (at its first call for the default plan's, which is built before the weights load) and
+made again at the next call after the layer's ``weights_version`` changes. The copy exists only
+for layers where such a kernel has run or been built by selection and is still referenced: it
+doubles those layers' weight memory, the price of reading each weight once per call in the
+kernel's streaming order.
 
 Kernels are for inference only: inputs must not require grad. A kernel is not safe for
 concurrent calls from several threads (the MLAS kernel reuses one onnxruntime binding per layer).
@@ -45,6 +48,7 @@ class MatmulLayer(Protocol):
     transposed: bool  # storage is W^T [in, out] (CPU) rather than W [out, in]
     storage: torch.Tensor
     bias: torch.Tensor | None  # [out]
+    weights_version: int  # changes whenever the weights or the bias are written
 
     def weight_view(self) -> torch.Tensor:
         """W as an [out, in] view of the storage."""
@@ -185,24 +189,54 @@ def _build_mlas(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
     return run
 
 
-def _build_rows(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
+ROWS_MAX = 32
+"""The most rows the "rows" kernel computes itself; it hands larger products (prompts) to
+oneDNN, whose blocked kernels suit compute-bound shapes."""
+
+
+def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> KernelFn:
+    """The "rows" kernel on a packed copy of the layer's W^T: made now, or at the first call when
+    ``lazy`` (so a kernel built before the weights load packs the loaded ones); made again at the
+    next call whenever the layer's ``weights_version`` has changed since. Above `ROWS_MAX` rows
+    it runs oneDNN (``F.linear`` where oneDNN is unavailable) on the layer's W^T instead."""
     from engine.kernels.cpu import load_rows_gemm
 
     lib = load_rows_gemm()
     if lib is None:
         raise RuntimeError("rows_gemm.c could not be built")
-    if "rows_threads" not in shared:  # process-wide setting, applied once per build batch
-        shared["rows_threads"] = torch.get_num_threads()
-        lib.set_threads(shared["rows_threads"])
-    n = layer.out_features
-    packed = lib.pack(layer.storage)  # [ceil(out/16), in, 16], a copy of W^T [in, out]
-    bias = None if layer.bias is None else lib.pad_bias(layer.bias)  # [ceil(out/16) * 16]
-    matmul = lib.matmul
+    n, matmul = layer.out_features, lib.matmul
+    onednn = layer.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    large = (_build_onednn if onednn else _build_torch)(layer, shared)
+    # [packed W^T [ceil(out/16), in, 16], padded bias [ceil(out/16) * 16] or None, weights_version]
+    state: list[Any] = [None, None, -1]
+
+    def pack() -> None:
+        if "rows_threads" not in shared:  # process-wide setting, applied once per build batch
+            shared["rows_threads"] = torch.get_num_threads()
+            lib.set_threads(shared["rows_threads"])
+        state[0] = lib.pack(layer.storage)
+        state[1] = None if layer.bias is None else lib.pad_bias(layer.bias)
+        state[2] = layer.weights_version
+
+    if not lazy:
+        pack()
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, packed, n, bias)  # [M, out]
+        if x.shape[0] > ROWS_MAX:
+            return large(x)
+        if state[2] != layer.weights_version:
+            pack()
+        return matmul(x, state[0], n, state[1])  # [M, out]
 
     return run
+
+
+def _build_rows(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
+    return _rows_kernel(layer, shared, lazy=False)
+
+
+def _build_rows_lazy(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
+    return _rows_kernel(layer, shared, lazy=True)
 
 
 def _has_rows_gemm(layer: MatmulLayer) -> bool:
@@ -242,7 +276,7 @@ KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
         ),
         "rows": KernelSpec(
             "rows",
-            "rows_gemm.c on packed W^T panels, torch.get_num_threads() threads",
+            "rows_gemm.c on packed W^T panels (torch.get_num_threads() threads); oneDNN above 32",
             _has_rows_gemm,
             _build_rows,
         ),
@@ -250,21 +284,35 @@ KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
 )
 
 
-# CPU fp32 plan before selection, (bucket, kernel): OpenBLAS on the calling thread reads W^T
-# fastest for a single row; oneDNN serves every larger M.
-_CPU_DEFAULT = ((1, "openblas", _build_openblas), (2, "onednn", _build_onednn))
+# CPU fp32 plan before selection, (largest M served, kernel; the last serves every larger M): the
+# "rows" kernel streams each weight once for all rows of a decode or verify step; oneDNN serves
+# prefill-sized M. Without rows_gemm.c (no C compiler) OpenBLAS serves M = 1 instead.
+_CPU_DEFAULT = ((32, "rows", _build_rows_lazy), (33, "onednn", _build_onednn))
+_CPU_FALLBACK = ((1, "openblas", _build_openblas), (2, "onednn", _build_onednn))
+
+
+_Plan = tuple[tuple[int, str, Callable[[MatmulLayer, dict[Any, Any]], KernelFn]], ...]
+
+
+def _cpu_default() -> _Plan:
+    from engine.kernels.cpu import load_rows_gemm
+
+    return _CPU_DEFAULT if load_rows_gemm() is not None else _CPU_FALLBACK
 
 
 def default_kernel(m: int) -> str:
     """The kernel `default_plan` installs for M rows of a CPU fp32 layer."""
-    return next(name for first, name, _ in reversed(_CPU_DEFAULT) if m >= first)
+    plan = _cpu_default()
+    return next((name for last, name, _ in plan if m <= last), plan[-1][1])
 
 
 def default_plan(layer: MatmulLayer) -> dict[int, tuple[str, KernelFn]]:
-    """The kernels a layer uses until selection, as ``{M bucket: (name, kernel)}``: CPU fp32
-    layers get OpenBLAS (1 thread) for M = 1 and oneDNN above; other dtypes and devices get
-    ``F.linear`` for every M."""
-    if _cpu_fp32(layer):
+    """The kernels a layer uses until selection, as ``{M bucket: (name, kernel)}`` (bucket = the
+    largest M it serves, the largest bucket serving every M above too): CPU fp32 layers get the
+    "rows" kernel, packed at its first call, for M = 1 to 32 and oneDNN above (OpenBLAS, 1
+    thread, for M = 1 and oneDNN above where rows_gemm.c cannot be built); other dtypes and
+    devices get ``F.linear`` for every M."""
+    if _cpu_fp32(layer) and layer.storage.device.type == "cpu":
         shared: dict[Any, Any] = {}
-        return {m: (name, build(layer, shared)) for m, name, build in _CPU_DEFAULT}
+        return {m: (name, build(layer, shared)) for m, name, build in _cpu_default()}
     return {1: ("torch", torch_kernel(layer))}

@@ -5,7 +5,8 @@
  * [ceil(N / 16)][K][16] contiguous, the last panel zero-padded. A tile of MR rows and NB panels
  * keeps MR x NB panel-wide accumulators in registers and streams each panel once: every weight is
  * loaded once per pass for all rows of the pass, and each output is accumulated in float32 in k
- * order (one fused multiply-add per k on the vector paths). A pass takes up to `group_rows` rows
+ * order (one fused multiply-add per k on the vector paths), in blocks of KBLOCK steps whose sums
+ * are added to the output in turn. A pass takes up to `group_rows` rows
  * (MR_MAX at most: 16 on AVX-512); more rows are served in equal groups that run over the same
  * chunk of panels one after another, the later groups reading its weights from cache. x is first
  * copied, per group, into [K][rows] so that a tile broadcasts its rows from one stream.
@@ -36,16 +37,20 @@
 #define PANEL 16
 /* Weights are prefetched this many k steps (of one 64-byte line per panel) ahead. */
 #define PREFETCH 32
+/* Each output sums its products in blocks of this many k steps, then adds the blocks in k
+ * order: rounding error grows with the block count and size, not with k (as blocked GEMMs). */
+#define KBLOCK 64
 #define MAX_THREADS 256
 
 /* ---------------------------------------------------------------------------------------------
- * Tiles: MR rows of x times NB panels starting at `w` (panel j at w + j * k * PANEL), written to
+ * Tiles: MR rows of x times NB panels starting at `w` (panel j, step kk at w + j * ps + kk * wk:
+ * ps = k * PANEL, wk = PANEL when packed; ps = PANEL, wk = ldw in place), written to
  * y[MR][ncols] with row stride ldy, ncols <= NB * PANEL (the rest of the last panel is padding).
  * `bias` is NULL or points at NB * PANEL readable floats (the padded bias).
  * ------------------------------------------------------------------------------------------- */
 
-typedef void (*tile_fn)(const float *x, const float *w, int64_t k, const float *bias, float *y,
-                        int64_t ldy, int64_t ncols);
+typedef void (*tile_fn)(const float *x, const float *w, int64_t k, int64_t ps, int64_t wk,
+                        const float *bias, float *y, int64_t ldy, int64_t ncols);
 
 #if defined(ROWS_AVX512)
 #define ISA_NAME "avx512"
@@ -53,44 +58,59 @@ typedef void (*tile_fn)(const float *x, const float *w, int64_t k, const float *
 #define GROUP_ROWS 8 /* default rows per pass over the weights (rows_gemm_set_group_rows) */
 
 #define TILE_BODY(MR, NB) \
- \
-    __m512 acc[MR][NB]; \
+    int64_t k0 = 0; \
+    do { \
+        const int64_t k1 = k - k0 < KBLOCK ? k : k0 + KBLOCK; \
+        __m512 acc[MR][NB]; \
 _Pragma("GCC unroll 16") \
-    for (int i = 0; i < MR; i++) { \
+        for (int i = 0; i < MR; i++) { \
 _Pragma("GCC unroll 8") \
-        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps(); \
-    } \
-    const int64_t ps = k * PANEL; \
-    for (int64_t kk = 0; kk < k; kk++) { \
-        __m512 wv[NB]; \
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps(); \
+        } \
+        for (int64_t kk = k0; kk < k1; kk++) { \
+            __m512 wv[NB]; \
+_Pragma("GCC unroll 8") \
+            for (int j = 0; j < NB; j++) { \
+                wv[j] = _mm512_loadu_ps(w + j * ps + kk * wk); \
+                _mm_prefetch((const char *)(w + j * ps + (kk + PREFETCH) * wk), _MM_HINT_T0); \
+            } \
+_Pragma("GCC unroll 16") \
+            for (int i = 0; i < MR; i++) { \
+                const __m512 xb = _mm512_set1_ps(x[kk * MR + i]); \
+_Pragma("GCC unroll 8") \
+                for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xb, wv[j], acc[i][j]); \
+            } \
+        } \
 _Pragma("GCC unroll 8") \
         for (int j = 0; j < NB; j++) { \
-            wv[j] = _mm512_loadu_ps(w + j * ps + kk * PANEL); \
-            _mm_prefetch((const char *)(w + j * ps + (kk + PREFETCH) * PANEL), _MM_HINT_T0); \
-        } \
+            const int64_t left = ncols - j * PANEL; \
+            if (left <= 0) break; \
+            const __mmask16 mask = \
+                left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); \
+            const __m512 b = bias && k1 == k ? _mm512_loadu_ps(bias + j * PANEL) \
+                                             : _mm512_setzero_ps(); \
 _Pragma("GCC unroll 16") \
-        for (int i = 0; i < MR; i++) { \
-            const __m512 xb = _mm512_set1_ps(x[kk * MR + i]); \
-_Pragma("GCC unroll 8") \
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xb, wv[j], acc[i][j]); \
+            for (int i = 0; i < MR; i++) { \
+                float *dst = y + i * ldy + j * PANEL; \
+                __m512 v = acc[i][j]; \
+                if (k0) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), v); \
+                _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(v, b)); \
+            } \
         } \
-    } \
-_Pragma("GCC unroll 8") \
-    for (int j = 0; j < NB; j++) { \
-        const int64_t left = ncols - j * PANEL; \
-        if (left <= 0) break; \
-        const __mmask16 mask = left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); \
-        const __m512 b = bias ? _mm512_loadu_ps(bias + j * PANEL) : _mm512_setzero_ps(); \
-_Pragma("GCC unroll 16") \
-        for (int i = 0; i < MR; i++) { \
-            _mm512_mask_storeu_ps(y + i * ldy + j * PANEL, mask, _mm512_add_ps(acc[i][j], b)); \
-        } \
-    }
+        k0 = k1; \
+    } while (k0 < k);
 
 #elif defined(ROWS_AVX2)
 #define ISA_NAME "avx2"
 #define MR_MAX 6
 #define GROUP_ROWS 6
+
+static inline __attribute__((always_inline)) __m256 load8(const float *src, int64_t left) {
+    if (left >= 8) return _mm256_loadu_ps(src);
+    float tmp[8] = {0};
+    if (left > 0) memcpy(tmp, src, (size_t)left * sizeof(float));
+    return _mm256_loadu_ps(tmp);
+}
 
 static inline __attribute__((always_inline)) void store8(float *dst, __m256 v, int64_t left) {
     if (left >= 8) {
@@ -103,45 +123,54 @@ static inline __attribute__((always_inline)) void store8(float *dst, __m256 v, i
 }
 
 #define TILE_BODY(MR, NB) \
- \
-    __m256 lo[MR][NB], hi[MR][NB]; \
-_Pragma("GCC unroll 16") \
-    for (int i = 0; i < MR; i++) { \
-_Pragma("GCC unroll 8") \
-        for (int j = 0; j < NB; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps(); \
-    } \
-    const int64_t ps = k * PANEL; \
-    for (int64_t kk = 0; kk < k; kk++) { \
-        __m256 wl[NB], wh[NB]; \
-_Pragma("GCC unroll 8") \
-        for (int j = 0; j < NB; j++) { \
-            wl[j] = _mm256_loadu_ps(w + j * ps + kk * PANEL); \
-            wh[j] = _mm256_loadu_ps(w + j * ps + kk * PANEL + 8); \
-            _mm_prefetch((const char *)(w + j * ps + (kk + PREFETCH) * PANEL), _MM_HINT_T0); \
-        } \
+    int64_t k0 = 0; \
+    do { \
+        const int64_t k1 = k - k0 < KBLOCK ? k : k0 + KBLOCK; \
+        __m256 lo[MR][NB], hi[MR][NB]; \
 _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
-            const __m256 xb = _mm256_broadcast_ss(x + kk * MR + i); \
+_Pragma("GCC unroll 8") \
+            for (int j = 0; j < NB; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps(); \
+        } \
+        for (int64_t kk = k0; kk < k1; kk++) { \
+            __m256 wl[NB], wh[NB]; \
 _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
-                lo[i][j] = _mm256_fmadd_ps(xb, wl[j], lo[i][j]); \
-                hi[i][j] = _mm256_fmadd_ps(xb, wh[j], hi[i][j]); \
+                wl[j] = _mm256_loadu_ps(w + j * ps + kk * wk); \
+                wh[j] = _mm256_loadu_ps(w + j * ps + kk * wk + 8); \
+                _mm_prefetch((const char *)(w + j * ps + (kk + PREFETCH) * wk), _MM_HINT_T0); \
+            } \
+_Pragma("GCC unroll 16") \
+            for (int i = 0; i < MR; i++) { \
+                const __m256 xb = _mm256_broadcast_ss(x + kk * MR + i); \
+_Pragma("GCC unroll 8") \
+                for (int j = 0; j < NB; j++) { \
+                    lo[i][j] = _mm256_fmadd_ps(xb, wl[j], lo[i][j]); \
+                    hi[i][j] = _mm256_fmadd_ps(xb, wh[j], hi[i][j]); \
+                } \
             } \
         } \
-    } \
 _Pragma("GCC unroll 8") \
-    for (int j = 0; j < NB; j++) { \
-        const int64_t left = ncols - j * PANEL; \
-        if (left <= 0) break; \
-        const __m256 bl = bias ? _mm256_loadu_ps(bias + j * PANEL) : _mm256_setzero_ps(); \
-        const __m256 bh = bias ? _mm256_loadu_ps(bias + j * PANEL + 8) : _mm256_setzero_ps(); \
+        for (int j = 0; j < NB; j++) { \
+            const int64_t left = ncols - j * PANEL; \
+            if (left <= 0) break; \
+            const int last = k1 == k && bias; \
+            const __m256 bl = last ? _mm256_loadu_ps(bias + j * PANEL) : _mm256_setzero_ps(); \
+            const __m256 bh = last ? _mm256_loadu_ps(bias + j * PANEL + 8) : _mm256_setzero_ps(); \
 _Pragma("GCC unroll 16") \
-        for (int i = 0; i < MR; i++) { \
-            float *dst = y + i * ldy + j * PANEL; \
-            store8(dst, _mm256_add_ps(lo[i][j], bl), left); \
-            store8(dst + 8, _mm256_add_ps(hi[i][j], bh), left - 8); \
+            for (int i = 0; i < MR; i++) { \
+                float *dst = y + i * ldy + j * PANEL; \
+                __m256 vl = lo[i][j], vh = hi[i][j]; \
+                if (k0) { \
+                    vl = _mm256_add_ps(load8(dst, left), vl); \
+                    vh = _mm256_add_ps(load8(dst + 8, left - 8), vh); \
+                } \
+                store8(dst, _mm256_add_ps(vl, bl), left); \
+                store8(dst + 8, _mm256_add_ps(vh, bh), left - 8); \
+            } \
         } \
-    }
+        k0 = k1; \
+    } while (k0 < k);
 
 #else
 #define ISA_NAME "scalar"
@@ -149,32 +178,39 @@ _Pragma("GCC unroll 16") \
 #define GROUP_ROWS 4
 
 #define TILE_BODY(MR, NB) \
- \
-    const int64_t ps = k * PANEL; \
     for (int j = 0; j < NB; j++) { \
         const int64_t left = ncols - j * PANEL; \
         if (left <= 0) break; \
-        float acc[MR][PANEL]; \
-        memset(acc, 0, sizeof(acc)); \
-        const float *wp = w + j * ps; \
-        for (int64_t kk = 0; kk < k; kk++) { \
-            for (int i = 0; i < MR; i++) { \
-                const float xv = x[kk * MR + i]; \
-                for (int c = 0; c < PANEL; c++) acc[i][c] += xv * wp[kk * PANEL + c]; \
-            } \
-        } \
         const int64_t cols = left < PANEL ? left : PANEL; \
-        for (int i = 0; i < MR; i++) { \
-            for (int64_t c = 0; c < cols; c++) { \
-                y[i * ldy + j * PANEL + c] = acc[i][c] + (bias ? bias[j * PANEL + c] : 0.0f); \
+        const float *wp = w + j * ps; \
+        int64_t k0 = 0; \
+        do { \
+            const int64_t k1 = k - k0 < KBLOCK ? k : k0 + KBLOCK; \
+            float acc[MR][PANEL]; \
+            memset(acc, 0, sizeof(acc)); \
+            for (int64_t kk = k0; kk < k1; kk++) { \
+                for (int i = 0; i < MR; i++) { \
+                    const float xv = x[kk * MR + i]; \
+                    for (int c = 0; c < PANEL; c++) acc[i][c] += xv * wp[kk * wk + c]; \
+                } \
             } \
-        } \
+            for (int i = 0; i < MR; i++) { \
+                for (int64_t c = 0; c < cols; c++) { \
+                    float v = acc[i][c]; \
+                    if (k0) v = y[i * ldy + j * PANEL + c] + v; \
+                    if (k1 == k && bias) v += bias[j * PANEL + c]; \
+                    y[i * ldy + j * PANEL + c] = v; \
+                } \
+            } \
+            k0 = k1; \
+        } while (k0 < k); \
     }
 #endif
 
 #define TILE(MR_, NB_)                                                                         \
-    static void tile_##MR_##_##NB_(const float *x, const float *w, int64_t k,                  \
-                                   const float *bias, float *y, int64_t ldy, int64_t ncols) {  \
+    static void tile_##MR_##_##NB_(const float *x, const float *w, int64_t k, int64_t ps,      \
+                                   int64_t wk, const float *bias, float *y, int64_t ldy,       \
+                                   int64_t ncols) {                                            \
         enum { MR = MR_, NB = NB_ };                                                           \
         TILE_BODY(MR, NB)                                                                      \
     }
@@ -213,6 +249,7 @@ static const tile_fn TILE_ONE[MR_MAX + 1] = {0, tile_1_1, tile_2_1, tile_3_1, ti
 typedef struct {
     const float *x; /* x regrouped: groups of `group` rows (the last may be smaller), each [k][rows] */
     const float *w;
+    int64_t ps, wk;  /* panel j, step kk at w + j * ps + kk * wk */
     const float *bias;
     float *y;
     int64_t m, k, n;
@@ -235,12 +272,12 @@ static void run_chunk(const job_t *job, int64_t c) {
         int64_t p = p0;
         for (; p + nb <= p1; p += nb) {
             const int64_t cols = job->n - p * PANEL;
-            TILE_MAIN[mr](x, job->w + p * k * PANEL, k, job->bias ? job->bias + p * PANEL : 0,
+            TILE_MAIN[mr](x, job->w + p * job->ps, k, job->ps, job->wk, job->bias ? job->bias + p * PANEL : 0,
                           y + p * PANEL, job->n, cols < nb * PANEL ? cols : nb * PANEL);
         }
         for (; p < p1; p++) {
             const int64_t cols = job->n - p * PANEL;
-            TILE_ONE[mr](x, job->w + p * k * PANEL, k, job->bias ? job->bias + p * PANEL : 0,
+            TILE_ONE[mr](x, job->w + p * job->ps, k, job->ps, job->wk, job->bias ? job->bias + p * PANEL : 0,
                          y + p * PANEL, job->n, cols < PANEL ? cols : PANEL);
         }
     }
@@ -328,6 +365,8 @@ static void *worker_main(void *arg) {
         job_t job;
         job.x = __atomic_load_n(&pool.job.x, __ATOMIC_RELAXED);
         job.w = __atomic_load_n(&pool.job.w, __ATOMIC_RELAXED);
+        job.ps = RELAXED(pool.job.ps);
+        job.wk = RELAXED(pool.job.wk);
         job.bias = __atomic_load_n(&pool.job.bias, __ATOMIC_RELAXED);
         job.y = __atomic_load_n(&pool.job.y, __ATOMIC_RELAXED);
         job.m = RELAXED(pool.job.m);
@@ -440,11 +479,9 @@ static const float *regroup(const float *x, int64_t ldx, int64_t m, int64_t k, i
     return buf;
 }
 
-/* y [m, n] (contiguous) = x [m, k] (row stride ldx) @ W^T, W packed by rows_gemm_pack;
- * + bias, when not NULL, padded to ceil(n / 16) * 16 floats. Returns 0, or -1 (y
- * untouched) if memory for a copy of x could not be allocated. */
-int rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
-               int64_t m, int64_t k, int64_t n) {
+/* y [m, n] = x [m, k] @ W^T on weights laid out as panels (see the tiles). */
+static int run(const float *x, int64_t ldx, const float *w, int64_t ps, int64_t wk,
+               const float *bias, float *y, int64_t m, int64_t k, int64_t n) {
     if (m <= 0 || n <= 0) return 0;
     const int64_t npanels = (n + PANEL - 1) / PANEL;
     const int threads = RELAXED(pool.threads);
@@ -456,7 +493,7 @@ int rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bia
     int64_t nchunks = (bytes + RELAXED(pool.chunk_bytes) - 1) / RELAXED(pool.chunk_bytes);
     nchunks = (nchunks + threads - 1) / threads * threads;
     if (nchunks > npanels) nchunks = npanels;
-    job_t job = {regroup(x, ldx, m, k, group), packed, bias, y, m, k, n, group, nchunks};
+    job_t job = {regroup(x, ldx, m, k, group), w, ps, wk, bias, y, m, k, n, group, nchunks};
     if (!job.x && k > 0) return -1;
     if (threads <= 1 || job.nchunks <= 1) {
         for (int64_t c = 0; c < job.nchunks; c++) run_chunk(&job, c);
@@ -473,6 +510,8 @@ int rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bia
     __atomic_thread_fence(__ATOMIC_RELEASE);
     __atomic_store_n(&pool.job.x, job.x, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.w, job.w, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.ps, job.ps, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.wk, job.wk, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.bias, job.bias, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.y, job.y, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.m, job.m, __ATOMIC_RELAXED);
@@ -494,4 +533,21 @@ int rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bia
     __atomic_store_n(&pool.next, (uint64_t)gen << 32 | 0xFFFFFFFFu, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&pool.call_mu);
     return 0;
+}
+
+/* y [m, n] (contiguous) = x [m, k] (row stride ldx) @ W^T, W packed by rows_gemm_pack;
+ * + bias, when not NULL, padded to ceil(n / 16) * 16 floats. Returns 0, or -1 (y
+ * untouched) if memory for a copy of x could not be allocated. */
+int rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
+              int64_t m, int64_t k, int64_t n) {
+    return run(x, ldx, packed, k * PANEL, PANEL, bias, y, m, k, n);
+}
+
+/* The same on W^T [k, n] read in place (row stride ldw): n must be a multiple of 16, and bias,
+ * when not NULL, holds n floats. Returns 0, -1 as rows_gemm, or -2 (y untouched) if n is not a
+ * multiple of 16. */
+int rows_gemm_inplace(const float *x, int64_t ldx, const float *wt, int64_t ldw, const float *bias,
+                      float *y, int64_t m, int64_t k, int64_t n) {
+    if (n % PANEL != 0) return -2;
+    return run(x, ldx, wt, PANEL, ldw, bias, y, m, k, n);
 }

@@ -27,8 +27,11 @@ class Linear(torch.nn.Module):
     """y = x @ W^T + b. W is [out_features, in_features] logically (HF layout); the storage
     layout and the kernel are private.
 
-    Until ``select_kernels`` runs, CPU fp32 layers use OpenBLAS (1 thread) for M = 1 and oneDNN
+    Until ``select_kernels`` runs, CPU fp32 layers use the "rows" kernel for M = 1 to 32 and oneDNN
     above (`engine.kernels.matmul.default_plan`); other dtypes and devices use ``F.linear``.
+    Weights must be written through ``load_rows`` / ``load_bias`` (which bump
+    ``weights_version``), or before the first ``forward``: kernels that hold a re-laid-out copy
+    make it again only when the version changes.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class Linear(torch.nn.Module):
         self.bias: torch.Tensor | None = (
             torch.zeros(out_features, dtype=dtype, device=self.device) if bias else None
         )
+        self.weights_version = 0  # bumped by load_rows / load_bias: kernels holding copies repack
         self.kernel_names: dict[int, str] = {}  # M bucket -> kernel name, for reports
         self._by_m: tuple[KernelFn, ...] = ()  # index M -> kernel, for M < len(_by_m)
         self._large: KernelFn = torch_kernel(self)  # for M >= len(_by_m)
@@ -87,6 +91,7 @@ class Linear(torch.nn.Module):
             )
         with torch.no_grad():
             self.weight_view()[row_offset : row_offset + rows].copy_(weight)
+        self.weights_version += 1
 
     def load_bias(self, row_offset: int, bias: torch.Tensor) -> None:
         """Copy ``bias`` [rows] into b[row_offset : row_offset + rows]; ValueError on mismatch."""
@@ -99,6 +104,7 @@ class Linear(torch.nn.Module):
             )
         with torch.no_grad():
             self.bias[row_offset : row_offset + bias.shape[0]].copy_(bias)
+        self.weights_version += 1
 
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [N] int64 -> W[ids] [N, in_features] (contiguous), for tied embeddings."""

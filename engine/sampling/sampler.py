@@ -9,6 +9,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.request import Request
@@ -108,6 +109,56 @@ def sample_with_details(
     return choices
 
 
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Whether a row's token is the argmax of its raw logits, EOS masked before
+    `min_new_tokens` and nothing else applied: greedy, no repetition or length penalty, no
+    logprobs (`greedy_choices` serves such rows)."""
+    return (
+        params.greedy
+        and params.repetition_penalty == 1.0
+        and params.length_penalty is None
+        and not params.logprobs
+    )
+
+
+def greedy_choices(
+    logits: torch.Tensor,  # [M, vocab] float32
+    masked_ids: Sequence[frozenset[int]],  # [M]: ids scored -inf in that row (empty: none)
+) -> Choices:
+    """`sample_with_details` for rows of `is_plain_greedy` requests whose `process_eos` would
+    only mask `masked_ids`: the same tokens and errors (the argmax, first index on ties; a row
+    holding NaN or +inf after masking fails), from one reduction over the rows and one
+    device-to-host copy (on a CPU, numpy on the calling thread). `logits` is not modified."""
+    num_rows = logits.shape[0]
+    rows = [i for i, ids in enumerate(masked_ids) for _ in ids]
+    cols = [t for ids in masked_ids for t in sorted(ids)]
+    error = "the model produced non-finite logits for this request"
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # numpy's argmax runs on the calling thread: a torch reduction over a vocabulary-wide
+        # row wakes the intra-op thread pool, which costs more than the reduction on few rows.
+        scores = logits.numpy()  # [M, vocab], shares memory with `logits`
+        if rows:
+            scores = scores.copy()
+            scores[rows, cols] = -np.inf
+        index = scores.argmax(axis=1)  # [M]: the first NaN if any, else the first maximum
+        values = scores[np.arange(num_rows), index]  # [M]
+        flags = np.isnan(values) | np.isposinf(values)  # [M]
+        tokens, bad = index.tolist(), flags.tolist()
+    else:
+        if rows:
+            logits = logits.clone()
+            logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+        values_t, index_t = logits.max(dim=-1)  # [M] each: NaN wins the max
+        flat = torch.cat([index_t.double(), (values_t.isnan() | values_t.isposinf()).double()])
+        host = flat.tolist()  # the one copy to the host
+        tokens, bad = [int(t) for t in host[:num_rows]], host[num_rows:]
+    choices = Choices(tokens, [None] * num_rows, [None] * num_rows)
+    for i in range(num_rows):
+        if bad[i]:
+            choices.token_ids[i], choices.errors[i] = -1, error
+    return choices
+
+
 def detail_tensor(
     scores: torch.Tensor,  # [vocab] processed scores
     token: torch.Tensor | int,  # the chosen token, [] on the scores' device or an int
@@ -172,6 +223,16 @@ class Sampler:
         tokens (a draft path being verified), plus its details when its params ask for them;
         a row whose choice fails carries its error instead (see `sample_with_details`)."""
         params = [r.sampling_params for r in reqs]
+        if all(map(is_plain_greedy, params)):
+            return greedy_choices(
+                logits,
+                [
+                    r.eos_token_ids
+                    if r.num_output_tokens + len(e) < p.min_new_tokens and not p.ignore_eos
+                    else frozenset()
+                    for r, p, e in zip(reqs, params, emitted, strict=True)
+                ],
+            )
         logits = process_eos(
             logits,
             params,

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,24 +124,30 @@ def select_by_coverage(
     Unlike the best joint paths, which crowd behind a confident first token, this spreads the
     paths over the first tokens when the first head is unsure and deepens them when it is not.
     """
-    num_leaves = prefix_scores[-1].shape[1]
-    leaves = torch.arange(num_leaves, device=prefix_scores[-1].device)
+    last = prefix_scores[-1]
+    batch, num_leaves = last.shape
+    leaves = np.arange(num_leaves)
     ancestors = [leaves // (num_leaves // level.shape[1]) for level in prefix_scores]  # [L] each
-    probs = [level.exp()[:, a] for level, a in zip(prefix_scores, ancestors, strict=True)]
-    covered = [torch.zeros_like(level, dtype=torch.bool) for level in prefix_scores]
-    rows = torch.arange(prefix_scores[-1].shape[0], device=leaves.device)
-    picks: list[torch.Tensor] = []
+    # The exponentials on the scores' device; the few picks on the host, on the calling thread
+    # (torch ops this small cost more to dispatch than to compute).
+    probs = [
+        level.exp().cpu().numpy()[:, a] for level, a in zip(prefix_scores, ancestors, strict=True)
+    ]  # [B, L] float32 each
+    covered = [np.zeros((batch, level.shape[1]), dtype=bool) for level in prefix_scores]
+    taken = np.zeros((batch, num_leaves), dtype=bool)
+    rows = np.arange(batch)
+    picks: list[np.ndarray] = []
     for _ in range(n_candidates):
-        gain = torch.stack(  # [B, L]
-            [p.masked_fill(c[:, a], 0.0) for p, c, a in zip(probs, covered, ancestors, strict=True)]
-        ).sum(0)
-        if picks:
-            gain[rows[:, None], torch.stack(picks, 1)] = -1.0
-        pick = gain.argmax(-1)  # [B]
+        gain = np.zeros((batch, num_leaves), dtype=np.float32)  # [B, L], summed depth by depth
+        for p, c, a in zip(probs, covered, ancestors, strict=True):
+            gain += np.where(c[:, a], np.float32(0.0), p)
+        gain[taken] = -1.0
+        pick = gain.argmax(-1)  # [B]: the first maximum
         picks.append(pick)
+        taken[rows, pick] = True
         for c, a in zip(covered, ancestors, strict=True):
             c[rows, a[pick]] = True
-    return torch.stack(picks, 1)
+    return torch.from_numpy(np.stack(picks, 1).astype(np.int64)).to(last.device)
 
 
 def check_selection(selection: str) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -10,6 +12,8 @@ import torch
 from torch import nn
 
 from engine.kernels.autotune import select_kernels
+from engine.kernels.cpu import load_rows_gemm
+from engine.kernels.matmul import ROWS_MAX
 from engine.layers.linear import Linear
 from engine.spec_decode.mlp_speculator import MLPSpeculator, check_selection, check_tree_shape
 from engine.spec_decode.tree import DraftTree
@@ -58,9 +62,12 @@ class _FlatLinear(nn.Module):
 
 
 def use_engine_linears(speculator: MLPSpeculator) -> None:
-    """Swap the speculator's `nn.Linear`s (each shared one once) for the engine's Linear with the
-    fastest exact kernel per row count, as the base model's layers get: on a CPU its heads are
-    vocabulary-sized, and drafting reads each of them at one to a few dozen rows."""
+    """Swap the speculator's `nn.Linear`s (each shared one once) for the engine's Linear: on a CPU
+    its heads are vocabulary-sized, and drafting reads each of them at one to a few dozen rows.
+    On a CPU they keep the default plan (the "rows" kernel up to `ROWS_MAX` rows, streaming
+    weights that the base model's pass has just pushed out of the caches, on its own threads
+    while `single_threaded_glue` holds torch to one); without rows_gemm.c, selection by timing
+    chooses their kernels as it does the base model's."""
     swapped: dict[int, _FlatLinear] = {}
     for stages in (speculator.proj, speculator.head):
         for i, layer in enumerate(stages):
@@ -74,8 +81,27 @@ def use_engine_linears(speculator: MLPSpeculator) -> None:
                 fast.load_rows(0, weight)
                 swapped[id(layer)] = _FlatLinear(fast)
             stages[i] = swapped[id(layer)]
-    if next(speculator.parameters()).device.type == "cpu":
+    if next(speculator.parameters()).device.type == "cpu" and load_rows_gemm() is None:
         select_kernels([flat.linear for flat in swapped.values()], m_values=(1, 2, 4, 8, 16, 32))
+
+
+@contextmanager
+def single_threaded_glue(device: torch.device, enabled: bool = True) -> Iterator[None]:
+    """On a CPU (when `enabled`), torch's own ops run on the calling thread inside the block
+    (restored after): drafting's ops are too small to gain from the intra-op pool, and waking it
+    costs more than they do. The "rows" kernel keeps its own threads, so enable it only where
+    every matrix product is within `ROWS_MAX` rows (oneDNN, above, would lose its threads).
+    Results do not change: each of these ops computes every output element on one thread
+    either way."""
+    if device.type != "cpu" or not enabled:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class MLPProposer:
@@ -115,9 +141,11 @@ class MLPProposer:
         param = next(self.speculator.parameters())
         states = torch.stack([p.hidden_state for p in inputs]).to(param.device, param.dtype)
         last = torch.tensor([p.token_ids[-1] for p in inputs], device=param.device)
-        paths, _ = self.speculator.generate_candidates(
-            states, last, self.top_k_tokens_per_head, self.n_candidates, self.selection
-        )
+        rows = len(inputs) * math.prod(self.top_k_tokens_per_head[:-1])  # the last head's input
+        with single_threaded_glue(param.device, rows <= ROWS_MAX and load_rows_gemm() is not None):
+            paths, _ = self.speculator.generate_candidates(
+                states, last, self.top_k_tokens_per_head, self.n_candidates, self.selection
+            )
         return [
             DraftTree.from_paths(candidates, p.max_depth)
             for p, candidates in zip(inputs, paths.tolist(), strict=True)

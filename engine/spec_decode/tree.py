@@ -120,7 +120,10 @@ class DraftTree:
 
     def attention_mask(self) -> torch.Tensor:  # [n+1, n+1] bool: row j sees its ancestors + j
         n = self.num_drafts + 1
-        mask = torch.eye(n, dtype=torch.bool)
+        rows = [[False] * n for _ in range(n)]  # built on the host: one tensor op, not n
+        rows[0][0] = True
         for j, parent in enumerate(self.parents, 1):
-            mask[j] |= mask[parent]
-        return mask
+            row = rows[j]
+            row[: parent + 1] = rows[parent][: parent + 1]  # the parent's ancestors precede it
+            row[j] = True
+        return torch.tensor(rows, dtype=torch.bool)

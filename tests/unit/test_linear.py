@@ -183,6 +183,29 @@ def test_selection_shares_shapes_and_reports() -> None:
     assert "64->96" in table.format()
 
 
+def test_selection_times_whole_passes() -> None:
+    """Where shapes chose differently, or a kernel other than the default was chosen, whole
+    passes decide: the fastest variant is installed on every layer, and the table reports it."""
+    layers = [make(64, 96, False, seed=s)[0] for s in range(3)] + [make(96, 64, True)[0]]
+    table = select_kernels(layers, m_values=(1, 8), target_s=2e-4)
+    for m, times in table.passes.items():
+        assert times and all(t > 0 for t in times.values())
+        fastest = min(times, key=lambda v: times[v])
+        names = {plan[m] for plan in table.chosen.values()}
+        if fastest.startswith("all "):
+            assert names == {fastest.removeprefix("all ")}
+        else:
+            assert fastest == "per shape" and len(names) > 1
+        assert f"one pass, M {m}" in table.format()
+    for layer in layers:
+        x = torch.randn(8, layer.in_features)
+        ref = x.double() @ layer.weight_view().double().t()
+        check(layer(x), ref if layer.bias is None else ref + layer.bias.double())
+    # one kernel everywhere, the default: nothing to compare
+    only_rows = select_kernels(layers, m_values=(1, 8), kernels=["rows"], target_s=2e-4)
+    assert only_rows.passes == {}
+
+
 def test_non_fp32_cpu_uses_torch() -> None:
     layer = Linear(16, 8, dtype=torch.float64, device="cpu")
     assert available(layer) == ["torch"] and layer.kernel_names == {1: "torch"}
@@ -197,9 +220,26 @@ def test_non_fp32_cpu_uses_torch() -> None:
 
 def test_defaults_and_layout() -> None:
     layer = Linear(24, 40, dtype=torch.float32, device="cpu")
-    assert layer.kernel_names == {1: "openblas", 2: "onednn"}
+    assert layer.kernel_names == {32: "rows", 33: "onednn"}
     assert layer.storage.shape == (24, 40) and layer.storage.is_contiguous()  # W^T [in, out]
     assert layer.weight_view().shape == (40, 24)
+
+
+def test_default_rows_kernel_packs_at_first_call_and_after_each_load() -> None:
+    """The default plan's "rows" kernel is built before the weights load: it must read the
+    weights as they are at its first call, and again after every load_rows / load_bias."""
+    layer = Linear(64, 96, bias=True, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=g)
+    for _ in range(2):
+        w = torch.randn(96, 64, generator=g, dtype=torch.float64)
+        b = torch.randn(96, generator=g, dtype=torch.float64)
+        layer.load_rows(0, w)
+        layer.load_bias(0, b)
+        check(layer(x), oracle(x, w.float().double(), b.float().double()))
+        check(layer(x[:1]), oracle(x[:1], w.float().double(), b.float().double()))
+    layer.load_rows(32, torch.zeros(64, 64))  # a partial load after a call
+    assert not layer(x)[:, 32:].ne(layer.bias[32:]).any()
 
 
 def test_openblas_runs_single_threaded() -> None:

@@ -61,6 +61,27 @@ def test_matches_float64(lib: RowsGemm, k: int, n: int, threads: int) -> None:
         lib.set_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_inplace_matches_packed(lib: RowsGemm, threads: int) -> None:
+    """W^T read in place (a row stride wider than the columns, bias [out]) gives the packed
+    kernel's float32 sums; out features that are not a multiple of 16 are refused."""
+    g = torch.Generator().manual_seed(4)
+    wide = torch.randn(576, 1000, generator=g)
+    wt, b = wide[:, :960], torch.randn(960, generator=g)  # W^T [576, 960], row stride 1000
+    packed, bias = lib.pack(wt), lib.pad_bias(b)
+    before = lib.threads
+    lib.set_threads(threads)
+    try:
+        for m in (1, 4, 9, 16, 20):
+            x = torch.randn(m, 576, generator=g)
+            assert torch.equal(lib.matmul_inplace(x, wt, b), lib.matmul(x, packed, 960, bias))
+            assert rel_err(lib.matmul_inplace(x, wt), x.double() @ wt.double()) < 1e-5
+    finally:
+        lib.set_threads(before)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        lib.matmul_inplace(torch.randn(2, 576), wide[:, :200])
+
+
 def test_strided_input_and_row_groups(lib: RowsGemm) -> None:
     """A non-contiguous x, and every rows-per-pass setting, give the same float32 sums (the
     vector paths fuse every multiply-add; portable C leaves that to the compiler)."""
