@@ -335,14 +335,14 @@ class LLMEngine:
     ) -> Choices:
         """One token (or an error) for each of `rows` of the step's logits, for requests that
         already chose `emitted[i]` this step; the observers see the rows first."""
-        index = torch.tensor(rows, dtype=torch.int64, device=out.logits.device)
         if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-            logits = out.logits[rows[0] : rows[0] + len(rows)]  # a view: no copy, no thread pool
+            picked: slice | torch.Tensor = slice(rows[0], rows[0] + len(rows))  # views, no copy
         else:
-            logits = out.logits.index_select(0, index)
+            picked = torch.tensor(rows, dtype=torch.int64, device=out.logits.device)
+        logits = out.logits[picked]
         if self.observers:
             request_ids = [r.request_id for r in reqs]
-            hidden = out.hidden_states.index_select(0, index)
+            hidden = out.hidden_states[picked]
             for observer in self.observers:
                 observer.on_logits(request_ids, logits, hidden, from_tree)
         return self.sampler.sample(logits, reqs, emitted)

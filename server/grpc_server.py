@@ -56,13 +56,13 @@ from server.output_tracker import OutputTracker
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
 from server.prefix_store import PrefixStore
+from server.proto_fields import check_known_fields
 from server.status import handle_errors
 from server.tracing import RequestTracer, SequenceRecord, rpc_span
 from server.validation import (
     DecodingParams,
     Limits,
     check_input_size,
-    check_known_fields,
     request_parameters,
     validate_input,
 )

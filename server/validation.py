@@ -22,7 +22,7 @@ Beyond TGIS, so that no request can harm another (issue 16):
 - an input text is at most `Limits.max_input_bytes` UTF-8 bytes (`check_input_size`);
 - user text quoted in a message (prefix ids, tokenizer errors) is cut by `clip`;
 - a field this server's proto does not define (a newer client's, such as vllm-tgis-adapter's
-  adapter_id or guided decoding) fails the request, naming it (`check_known_fields`).
+  adapter_id or guided decoding) fails the request, naming it (`server.proto_fields`).
 
 The messages themselves and `ValidationError` are in `server.messages`.
 """
@@ -36,11 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from google.protobuf.message import Message
-from google.protobuf.unknown_fields import UnknownFieldSet
-
 from server import messages as msg
 from server.pb import generation_pb2 as pb
+from server.proto_fields import check_known_fields
 
 DEFAULT_MAX_NEW_TOKENS = 20
 """max_new_tokens when the request leaves it 0 (TGIS's router constant)."""
@@ -251,44 +249,6 @@ def validate_parameters(params: DecodingParams, limits: Limits) -> None:
         raise msg.ValidationError(msg.TOKEN_DETAIL_MSG)
     if any(not s or len(s.encode("utf-8")) > msg.MAX_STOP_SEQ_BYTES for s in p.stop_sequences):
         raise msg.ValidationError(msg.STOP_SEQUENCES_MSG)
-
-
-KNOWN_EXTENSION_FIELDS = {
-    "fmaas.BatchedGenerationRequest": {4: "adapter_id"},
-    "fmaas.SingleGenerationRequest": {4: "adapter_id"},
-    "fmaas.BatchedTokenizeRequest": {6: "prefix_id", 7: "adapter_id"},
-    "fmaas.DecodingParameters": {
-        3: "format",
-        4: "json_schema",
-        5: "regex",
-        6: "choice",
-        7: "grammar",
-    },
-}
-"""Names of the fields vllm-tgis-adapter's generation.proto adds to TGIS's (tgis-interface.md
-§1.3), by message and field number: LoRA adapters and the `guided` oneof of guided decoding."""
-
-
-def check_known_fields(message: Message, path: str = "") -> None:
-    """Raise `messages.unknown_field_error` for the first field of `message`, or of a message
-    inside it, that this server's proto does not define. protobuf keeps such fields when it
-    parses a request from a newer client (vllm-tgis-adapter's adapter_id, guided decoding);
-    serving the request without them would silently ignore what the client asked for."""
-    unknown = UnknownFieldSet(message)
-    if len(unknown):
-        number = unknown[0].field_number
-        name = message.DESCRIPTOR.full_name
-        known = KNOWN_EXTENSION_FIELDS.get(name, {}).get(number)
-        raise msg.unknown_field_error(name, number, path, known)
-    for field, value in message.ListFields():
-        if field.message_type is None:
-            continue
-        where = f"{path}.{field.name}" if path else field.name
-        if isinstance(value, Message):
-            check_known_fields(value, where)
-        else:  # repeated
-            for i, item in enumerate(value):
-                check_known_fields(item, f"{where}[{i}]")
 
 
 def request_parameters(

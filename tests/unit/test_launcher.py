@@ -26,8 +26,8 @@ from server.config import ServerConfig, canonical_dtype
 from server.logs import JsonFormatter, setup_logging
 from server.messages import ValidationError
 from server.pb import generation_pb2 as pb
+from server.proto_fields import check_known_fields
 from server.tracing import RequestTracer, SequenceRecord, rpc_span
-from server.validation import check_known_fields
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
