@@ -6,7 +6,6 @@ runs it on its own thread, handing it new and cancelled requests between steps.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.policy import Method
 from engine.spec_decode.tree import DraftTree
-from engine.spec_decode.verifier import Verification, accepted_slot_moves, walk_trees
+from engine.spec_decode.verifier import Verification, accepted_slot_moves
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +49,27 @@ class EngineOutput(RequestOutput):
 
 @dataclass
 class _Batch:
-    """One step's model inputs and what to do with its logits rows."""
+    """One step's model inputs and the logits rows tokens are chosen from: one per request that
+    reaches its last known token, one per node of each draft tree (in row order)."""
 
     inputs: list[SequenceInput] = field(default_factory=list)
-    sampling: list[Request] = field(default_factory=list)  # reach their last known token
-    sample_rows: list[int] = field(default_factory=list)  # their logits rows
+    sampling: list[tuple[Request, int]] = field(default_factory=list)
+    """(request, index of its choice) for requests that reach their last known token."""
     verifying: list[Verification] = field(default_factory=list)
+    choice_rows: list[int] = field(default_factory=list)  # [C] logits rows to choose from
+    choice_requests: list[Request] = field(default_factory=list)  # [C]
+    choice_emitted: list[list[int]] = field(default_factory=list)
+    """[C]: the tokens the request would have chosen this step before the row (a node's path)."""
     prompt_rows: list[tuple[Request, int, list[int]]] = field(default_factory=list)
     """(request, first row, the prompt positions its rows score) for prompt logprobs."""
     num_rows: int = 0
+
+    def add_choice(self, row: int, request: Request, emitted: list[int]) -> int:
+        """Choose a token from logits row `row`; returns the choice's index."""
+        self.choice_rows.append(row)
+        self.choice_requests.append(request)
+        self.choice_emitted.append(emitted)
+        return len(self.choice_rows) - 1
 
 
 @dataclass
@@ -238,43 +249,33 @@ class LLMEngine:
                 self.prompt_logprobs.record(req, rows, positions)
             except (RuntimeError, ValueError) as e:
                 results.errors[req.request_id] = str(e)
-        if batch.sampling:
-            choices = self._choose(
-                out, batch.sample_rows, batch.sampling, [[] for _ in batch.sampling]
-            )
-            picked = zip(
-                batch.sampling,
-                batch.sample_rows,
-                choices.token_ids,
-                choices.details,
-                choices.errors,
-                strict=True,
-            )
-            for req, row, token, detail, error in picked:
-                if error is not None:
-                    results.errors.setdefault(req.request_id, error)
-                    continue
-                results.token_ids[req.request_id] = [token]
-                if detail is not None:
-                    results.logprobs[req.request_id] = [detail]
-                hidden_states[req.request_id] = out.hidden_states[row]
+        choices = self._choose(out, batch)
+        for req, i in batch.sampling:
+            error, detail = choices.errors[i], choices.details[i]
+            if error is not None:
+                results.errors.setdefault(req.request_id, error)
+                continue
+            results.token_ids[req.request_id] = [choices.token_ids[i]]
+            if detail is not None:
+                results.logprobs[req.request_id] = [detail]
+            hidden_states[req.request_id] = out.hidden_states[batch.choice_rows[i]]
+        for v in batch.verifying:
+            v.walk(choices)
+        self._observe(out, batch)
         if batch.verifying:
-            walk_trees(batch.verifying, functools.partial(self._choose, out, from_tree=True))
             self.runner.copy_slots(*accepted_slot_moves(batch.verifying, self.kv))
-            for v in batch.verifying:
-                request_id = v.request.request_id
-                if v.error is not None:
-                    results.errors[request_id] = v.error
-                    continue
-                results.token_ids[request_id] = v.token_ids
-                if v.request.sampling_params.logprobs:
-                    results.logprobs[request_id] = [d for d in v.details if d is not None]
-                results.draft_depths[request_id] = v.tree.depth
-                hidden_states[request_id] = out.hidden_states[v.last_row]
-                if self.drafter is not None:
-                    self.drafter.observe_tree(
-                        v.tree, v.token_ids, Method.of(v.request.sampling_params)
-                    )
+        for v in batch.verifying:
+            request_id = v.request.request_id
+            if v.error is not None:
+                results.errors[request_id] = v.error
+                continue
+            results.token_ids[request_id] = v.token_ids
+            if v.request.sampling_params.logprobs:
+                results.logprobs[request_id] = [d for d in v.details if d is not None]
+            results.draft_depths[request_id] = v.tree.depth
+            hidden_states[request_id] = out.hidden_states[v.last_row]
+            if self.drafter is not None:
+                self.drafter.observe_tree(v.tree, v.token_ids, Method.of(v.request.sampling_params))
         return results
 
     def _build_batch(self, sched: SchedulerOutput, trees: dict[str, DraftTree]) -> _Batch:
@@ -289,7 +290,10 @@ class LLMEngine:
             drafts = sched.scheduled_spec_token_ids.get(req.request_id)
             if drafts:
                 tree = trees[req.request_id].truncate(len(drafts))
-                batch.verifying.append(Verification(req, tree, batch.num_rows))
+                v = Verification(req, tree, batch.num_rows, len(batch.choice_rows))
+                for node, path in enumerate(tree.path_token_ids()):
+                    batch.add_choice(batch.num_rows + node, req, path)
+                batch.verifying.append(v)
                 batch.num_rows += n
                 batch.inputs.append(
                     SequenceInput(
@@ -308,8 +312,8 @@ class LLMEngine:
                 batch.prompt_rows.append((req, batch.num_rows, positions))
             if start + n >= req.num_tokens:
                 indices.append(n - 1)
-                batch.sampling.append(req)
-                batch.sample_rows.append(batch.num_rows + len(indices) - 1)
+                row = batch.num_rows + len(indices) - 1
+                batch.sampling.append((req, batch.add_choice(row, req, [])))
             batch.num_rows += len(indices)
             prefix_embeds = None
             if req.prompt_prefix is not None and start < req.num_prefix_tokens:
@@ -325,24 +329,36 @@ class LLMEngine:
             )
         return batch
 
-    def _choose(
-        self,
-        out: ModelOutput,
-        rows: list[int],
-        reqs: list[Request],
-        emitted: list[list[int]],
-        from_tree: bool = False,
-    ) -> Choices:
-        """One token (or an error) for each of `rows` of the step's logits, for requests that
-        already chose `emitted[i]` this step; the observers see the rows first."""
-        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-            picked: slice | torch.Tensor = slice(rows[0], rows[0] + len(rows))  # views, no copy
-        else:
-            picked = torch.tensor(rows, dtype=torch.int64, device=out.logits.device)
-        logits = out.logits[picked]
-        if self.observers:
-            request_ids = [r.request_id for r in reqs]
-            hidden = out.hidden_states[picked]
+    def _choose(self, out: ModelOutput, batch: _Batch) -> Choices:
+        """One token (or an error) for each of the batch's choice rows, in one sampler call: one
+        device-to-host copy for the whole step."""
+        rows = batch.choice_rows
+        if not rows:
+            return Choices([], [], [])
+        logits = out.logits[_rows_index(rows, out.logits.device)]
+        return self.sampler.sample(logits, batch.choice_requests, batch.choice_emitted)
+
+    def _observe(self, out: ModelOutput, batch: _Batch) -> None:
+        """Show the observers the rows the step's tokens were chosen from: the sampled rows,
+        then each tree's walked nodes."""
+        if not self.observers:
+            return
+        sampled = [(req.request_id, batch.choice_rows[i]) for req, i in batch.sampling]
+        walked = [(v.request.request_id, row) for v in batch.verifying for row in v.walked_rows()]
+        for pairs, from_tree in ((sampled, False), (walked, True)):
+            if not pairs:
+                continue
+            index = _rows_index([row for _, row in pairs], out.logits.device)
+            request_ids = [request_id for request_id, _ in pairs]
             for observer in self.observers:
-                observer.on_logits(request_ids, logits, hidden, from_tree)
-        return self.sampler.sample(logits, reqs, emitted)
+                observer.on_logits(
+                    request_ids, out.logits[index], out.hidden_states[index], from_tree
+                )
+
+
+def _rows_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """An index of `rows` of a step's outputs: a slice (views, no copy) when they are
+    consecutive."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.int64, device=device)

@@ -18,9 +18,10 @@ class TokenObserver(Protocol):
         hidden_states: torch.Tensor,  # [M, hidden]: the final-norm states they came from
         from_tree: bool,
     ) -> None:
-        """Called before row i's token is chosen for `request_ids[i]`, in the request's token
-        order. `from_tree`: the rows are nodes of a draft tree being verified (the walk calls
-        once per depth; a row whose token leaves the tree is the request's last this step)."""
+        """Called each step with the rows the requests' tokens were chosen from: row i chose a
+        token of `request_ids[i]`, rows of one request in its token order. `from_tree`: the
+        rows are the walked nodes of draft trees (a request's last row is the node whose choice
+        left the tree)."""
         ...
 
 

@@ -118,6 +118,14 @@ class DraftTree:
             node = self.parents[node - 1]
         return nodes[::-1]
 
+    def path_token_ids(self) -> list[list[int]]:
+        """For each node 0..n, the drafts on the path from the root's first child down to it
+        (the root's: empty)."""
+        paths: list[list[int]] = [[]]
+        for token, parent in zip(self.token_ids, self.parents, strict=True):
+            paths.append([*paths[parent], token])
+        return paths
+
     def attention_mask(self) -> torch.Tensor:  # [n+1, n+1] bool: row j sees its ancestors + j
         n = self.num_drafts + 1
         rows = [[False] * n for _ in range(n)]  # built on the host: one tensor op, not n

@@ -1,22 +1,25 @@
 """Verification of draft trees by exact match.
 
 A request's tree was computed in one forward pass: row `first_row + node` holds the logits that
-follow node `node` (row `first_row` follows the root, the request's last known token). The walk
-chooses a token from the root's row exactly as a plain step would (every logit rule, seeded draws,
-details), descends to the child holding that token while there is one, and chooses again:
+follow node `node` (row `first_row` follows the root, the request's last known token). A token is
+chosen at every node at once, as the request would choose it after the drafts on the node's path
+(every logit rule, seeded draws, details), so the step reads its choices from the device once.
+The walk then starts at the root and descends to the child holding the node's choice while there
+is one:
 
     accepted tokens  the drafts on the walked path (each equal to the request's own choice)
     bonus token      the choice at the last walked node, which no child holds
 
 so a request gains `len(path) + 1` tokens, exactly the tokens it would have produced one by one.
-A request whose choice fails stops its walk with `error` set and gains nothing.
+A request whose choice fails at a walked node stops its walk with `error` set and gains nothing;
+a failure at a node the walk does not reach does not matter.
 The accepted nodes' K/V were written at the tree's slots; `accepted_slot_moves` lists the copies
 that put them at consecutive sequence positions, where the scheduler's rollback expects them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -24,19 +27,17 @@ from engine.request import Request
 from engine.sampling.sampler import Choices, TokenLogprobs
 from engine.spec_decode.tree import DraftTree
 
-ChooseFn = Callable[[list[int], list[Request], list[list[int]]], Choices]
-"""(logits rows, their requests, tokens already chosen for each this step) -> one token per row,
-its details (None unless the request asks for logprobs) and its error (None unless it failed)."""
-
 
 @dataclass
 class Verification:
-    """A draft tree being verified: the request, its tree, the logits row of its root, and the
-    walk so far (`node`, the tokens chosen and their details, or the error that ended it)."""
+    """A draft tree being verified: the request, its tree, the logits row of its root, the index
+    of the root's choice among the step's choices (node n's is `first_choice + n`), and the walk
+    so far (`node`, the tokens chosen and their details, or the error that ended it)."""
 
     request: Request
     tree: DraftTree
     first_row: int
+    first_choice: int = 0
     node: int = 0
     token_ids: list[int] = field(default_factory=list)
     details: list[TokenLogprobs | None] = field(default_factory=list)
@@ -47,30 +48,25 @@ class Verification:
         """The logits row of the last walked node (where the request's next step continues)."""
         return self.first_row + self.node
 
+    def walked_rows(self) -> list[int]:
+        """The logits rows of the walked nodes, root first."""
+        return [self.first_row + node for node in (0, *self.tree.path(self.node))]
 
-def walk_trees(verifications: Sequence[Verification], choose: ChooseFn) -> None:
-    """Walk every tree from its root, one depth per `choose` call over all trees still walking,
-    until each has chosen a token that no child of its node holds, or failed."""
-    active = list(verifications)
-    while active:
-        choices = choose(
-            [v.last_row for v in active],
-            [v.request for v in active],
-            [v.token_ids for v in active],
-        )
-        still_active = []
-        picked = zip(active, choices.token_ids, choices.details, choices.errors, strict=True)
-        for v, token, detail, error in picked:
-            if error is not None:
-                v.error = error
-                continue
-            v.token_ids.append(token)
-            v.details.append(detail)
-            child = v.tree.child(v.node, token)
-            if child is not None:
-                v.node = child
-                still_active.append(v)
-        active = still_active
+    def walk(self, choices: Choices) -> None:
+        """Walk the tree from the root over `choices`, which hold the choice at node n at index
+        `first_choice + n`, until a node's choice is held by none of its children, or failed."""
+        while True:
+            i = self.first_choice + self.node
+            if choices.errors[i] is not None:
+                self.error = choices.errors[i]
+                return
+            token = choices.token_ids[i]
+            self.token_ids.append(token)
+            self.details.append(choices.details[i])
+            child = self.tree.child(self.node, token)
+            if child is None:
+                return
+            self.node = child
 
 
 def accepted_slot_moves(

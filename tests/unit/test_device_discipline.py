@@ -21,8 +21,10 @@ from engine.core import LLMEngine
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.paths import model_path
 from engine.sampling.params import SamplingParams
+from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.tree import DraftTree
 from tests.reference import require_model
+from tools.scripted_proposer import ScriptedProposer
 
 MODEL = "tiny-llama-gqa-tied"
 
@@ -88,21 +90,8 @@ def test_engine_step_reaches_its_host_copy_on_device(runner: ModelRunner) -> Non
         engine.step()
 
 
-def test_greedy_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode step of greedy requests with penalties, logprobs and top-n reads the device
-    once (`tolist`), with no `item`; the model on CPU counts the reads."""
-    path: Path = require_model(model_path(MODEL))
-    runner = ModelRunner(EngineConfig(path, dtype="float32", num_kv_blocks=32))
-    engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=4), frozenset({2}))
-    params = [
-        SamplingParams(max_new_tokens=8),
-        SamplingParams(max_new_tokens=8, repetition_penalty=1.3),
-        SamplingParams(max_new_tokens=8, logprobs=True, top_n_tokens=3),
-        SamplingParams(max_new_tokens=8, min_new_tokens=4, length_penalty=(1, 1.5)),
-    ]
-    for i, p in enumerate(params):
-        engine.add_request(str(i), list(range(10 + i, 30)), p)
-    engine.step()  # the prompts
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every `tolist` and `item` from now on, by name."""
     reads: list[str] = []
     for name in ("tolist", "item"):
         method = getattr(torch.Tensor, name)
@@ -112,6 +101,62 @@ def test_greedy_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> N
             return _m(self, *args)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+def test_greedy_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step of greedy requests with penalties, logprobs and top-n reads the device
+    once (`tolist`), with no `item`; the model on CPU counts the reads."""
+    path: Path = require_model(model_path(MODEL))
+    runner = ModelRunner(EngineConfig(path, dtype="float32", num_kv_blocks=32))
+    engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=4), frozenset({2}))
+    for i, p in enumerate(_MIXED_PARAMS):
+        engine.add_request(str(i), list(range(10 + i, 30)), p)
+    engine.step()  # the prompts
+    reads = _count_reads(monkeypatch)
     outputs = engine.step()
     assert len(outputs) == 4 and all(len(o.new_token_ids) == 1 for o in outputs)
     assert reads == ["tolist"]
+
+
+_MIXED_PARAMS = [
+    SamplingParams(max_new_tokens=8),
+    SamplingParams(max_new_tokens=8, repetition_penalty=1.3),
+    SamplingParams(max_new_tokens=8, logprobs=True, top_n_tokens=3),
+    SamplingParams(max_new_tokens=8, min_new_tokens=4, length_penalty=(1, 1.5)),
+]
+
+
+def test_verify_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that walks draft trees two drafts deep for greedy, penalised, sampled and logprob
+    requests, and also runs a new prompt to its first token, reads the device once: the choices
+    at every tree node and at the prompt's last row come back in one `tolist`."""
+    path: Path = require_model(model_path(MODEL))
+    sampled = SamplingParams(max_new_tokens=8, temperature=0.8, seed=7, logprobs=True)
+    prompts = {str(i): list(range(10 + i, 30)) for i in range(5)}
+    params = dict(zip(prompts, [*_MIXED_PARAMS, sampled], strict=True))
+
+    def engine(drafter: Drafter | None) -> LLMEngine:
+        runner = ModelRunner(EngineConfig(path, dtype="float32", num_kv_blocks=64))
+        engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=8), frozenset({2}), drafter)
+        for request_id, prompt in prompts.items():
+            engine.add_request(request_id, prompt, params[request_id])
+        return engine
+
+    plain = engine(None)
+    outputs: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    while plain.has_unfinished_requests():
+        for out in plain.step():
+            outputs[out.request_id] += out.new_token_ids
+    sequences = [prompts[request_id] + tokens for request_id, tokens in outputs.items()]
+    proposer = ScriptedProposer(sequences, accept_lengths=[2], num_heads=3, n_candidates=3)
+    speculating = engine(Drafter(proposer, None, max_batch_size=8))
+    speculating.step()  # the prompts; every request drafts a tree
+    speculating.add_request("new", list(range(40, 52)), SamplingParams(max_new_tokens=8))
+    reads = _count_reads(monkeypatch)
+    step = {o.request_id: o for o in speculating.step()}
+    assert reads == ["tolist"]
+    assert len(step["new"].new_token_ids) == 1
+    for request_id, tokens in outputs.items():
+        assert step[request_id].new_token_ids == tokens[1:4]
+        assert step[request_id].num_accepted_tokens == 2
