@@ -13,13 +13,13 @@ Sections (see docs/benchmarks.md, "GPU check"):
   environment  versions, GPU, memory, the attention backend per dtype, device copy bandwidth
   exactness    tiny random Llamas (MHA, GQA): greedy `LLM` output against transformers'
                `generate` in float32 and float16, CUDA graphs against eager steps; speculation
-               on against off (a random MLP
-               speculator, and scripted drafts of the known greedy continuation) with several
-               prompts whose prefill chunks mix with draft trees
+               on against off (a random MLP speculator, and scripted drafts of the known greedy
+               continuation; tree steps run as graphs) with several prompts whose prefill
+               chunks mix with draft trees
   speed        a Llama-2-13B-shaped model with random fp16 weights: batch-1 decode against the
                bandwidth bound (and eagerly, without CUDA graphs), verify steps of 4-32 tree
-               rows, drafting, batch 8/32/64 decode at contexts 512 and 2048, a mixed step,
-               peak memory and the KV pool
+               rows (16 also eagerly), drafting, batch 8/32/64 decode at contexts 512 and
+               2048, a mixed step, peak memory and the KV pool
   loader       a 4-layer 13B-width checkpoint as sharded safetensors and as .bin: load GB/s and
                host peak memory
   server       the real server (`python -m server.main`) on the device: one Generate and one
@@ -842,6 +842,14 @@ def section_speed(ctx: Ctx) -> None:
                 r.check(f"speed.verify.rows{rows}", sec * 1e3, "ms", "INFO")
                 st = status(ratio <= 1.15, judged) if rows == 16 else "INFO"
                 r.check(f"speed.verify.rows{rows}_over_rows1", ratio, "x", st)
+            graphs = runner.graphs
+            if graphs is not None:
+                runner.graphs = None
+                try:
+                    eager = timed(ctx, run([tree_input(table, ctx_len, 16)]), repeats)
+                finally:
+                    runner.graphs = graphs
+                r.check("speed.verify.rows16.eager_step", eager * 1e3, "ms", "INFO")
         finally:
             free(seqs)
 

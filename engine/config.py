@@ -112,8 +112,10 @@ class EngineConfig:
     """On CUDA in fp16/bf16 with flash-attn installed, run steps without draft trees on its
     paged kernel (blocks of 256 tokens); otherwise every step runs on the Triton kernel."""
     cuda_graphs: bool = True
-    """With the Triton attention backend (the CUDA default), run decode steps as CUDA graphs
-    captured at start-up for bucketed batch sizes (`engine.cuda_graphs`)."""
+    """With the Triton attention backend (the CUDA default), run steps of decode rows and draft
+    trees as CUDA graphs captured at start-up for bucketed row counts (`engine.cuda_graphs`)."""
+    cuda_graph_max_rows: int = 256
+    """The largest such step, in rows (decode rows plus tree nodes), that runs as a graph."""
     cpu_kernels: bool = True
     """On CPU in float32, run the model's glue and attention as fused C kernels (when a C
     compiler is found); False keeps the same maths as ATen ops."""
@@ -146,5 +148,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
         if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
             raise ValueError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
+        if self.cuda_graph_max_rows < 1:
+            raise ValueError(f"cuda_graph_max_rows must be >= 1, got {self.cuda_graph_max_rows}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

@@ -12,7 +12,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache, select_backend
 from engine.config import DTYPES, EngineConfig
-from engine.cuda_graphs import DecodeGraphs, DecodeRow
+from engine.cuda_graphs import GraphSequence, StepGraphs
 from engine.kernels.autotune import select_kernels
 from engine.kernels.cpu import load_cpu_kernels
 from engine.kv_sizing import DeviceMemory, kv_block_bytes, kv_pool_blocks
@@ -76,9 +76,9 @@ class ModelRunner:
     `config.kv_cache_tokens` tokens, else as many as `config.kv_cache_memory_mb` holds, else on
     CUDA what `engine.kv_sizing` leaves after a profiled worst-case step (512 MiB on CPU).
 
-    With `config.cuda_graphs` and the Triton backend, decode steps run as `DecodeGraphs`
-    (captured on CUDA; elsewhere, as in tests, the same static-buffer step runs eagerly); the
-    pool then holds one block more than `num_blocks`, the graphs' pad block.
+    With `config.cuda_graphs` and the Triton backend, steps of decode rows and draft trees run
+    as `StepGraphs` (captured on CUDA; elsewhere, as in tests, the same static-buffer step runs
+    eagerly); the pool then holds one block more than `num_blocks`, the graphs' pad block.
 
     With a `shard` of N > 1 ranks, this runner holds that rank's share of the model and of
     every KV block (`engine.parallel.shard`; the pool has as many blocks on every rank), runs
@@ -115,7 +115,7 @@ class ModelRunner:
                 ),
             )
         self.kv_caches: list[KVCache] = []
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         shard.barrier()  # ranks load at different speeds; the profile step needs them all
         self.num_blocks, self.kv_pool_source = self._num_kv_blocks(config)
         graphs = config.cuda_graphs and self.backend.name == "triton" and shard.size == 1
@@ -124,11 +124,11 @@ class ModelRunner:
             from engine.attention.triton_backend import TritonBackend
 
             assert isinstance(self.backend, TritonBackend)
-            self.graphs = DecodeGraphs(
+            self.graphs = StepGraphs(
                 self.model,
                 self.kv_caches,
                 self.backend,
-                config.max_num_seqs,
+                min(config.cuda_graph_max_rows, config.max_num_batched_tokens),
                 max_blocks_per_seq=math.ceil(self.max_model_len / self.block_size),
                 pad_block=self.num_blocks,
                 max_position=self.max_model_len - 1,
@@ -227,29 +227,24 @@ class ModelRunner:
             start += len(a)
         return views
 
-    def _is_graph_step(self, seqs: list[SequenceInput]) -> bool:
-        """A decode step the graphs cover: one token per sequence at its next position, no
-        tree, logits for every row, within the largest bucket and the graphs' block tables."""
-        graphs = self.graphs
-        assert graphs is not None
-        return len(seqs) <= graphs.max_batch_size and all(
-            len(s.token_ids) == 1
-            and s.positions is None
-            and s.tree_mask is None
-            and s.logits_indices in (None, [0])
-            and s.prefix_embeds is None
-            and len(s.block_table) <= graphs.max_blocks_per_seq
-            for s in seqs
-        )
-
-    def _execute_graph(self, graphs: DecodeGraphs, seqs: list[SequenceInput]) -> ModelOutput:
-        decode_rows = []
+    def _graph_step(self, seqs: list[SequenceInput]) -> list[GraphSequence] | None:
+        """The step as the graphs take it, or None when they do not cover it: every sequence
+        feeds one token at its next position or a draft tree, with logits for every row and no
+        prompt-prefix embeddings (see `StepGraphs.covers`)."""
+        graph_seqs = []
         for s in seqs:
-            position = s.num_computed_tokens
-            slot = self.slot_mapping(s.block_table, position, position + 1)[0]
-            decode_rows.append(DecodeRow(s.token_ids[0], position, slot, s.block_table))
-        logits, hidden = graphs.run(decode_rows)
-        return ModelOutput(logits=logits, hidden_states=hidden, num_rows=[1] * len(seqs))
+            n, start = len(s.token_ids), s.num_computed_tokens
+            if (n > 1 and s.tree_mask is None) or s.prefix_embeds is not None:
+                return None  # a prefill chunk, or prompt-tuning embeddings
+            if s.logits_indices != list(range(n)) and not (n == 1 and s.logits_indices is None):
+                return None
+            positions = s.positions if s.positions is not None else list(range(start, start + n))
+            slots = self.slot_mapping(s.block_table, start, start + n)
+            graph_seqs.append(
+                GraphSequence(s.token_ids, positions, slots, start + n, s.block_table, s.tree_mask)
+            )
+        assert self.graphs is not None
+        return graph_seqs if self.graphs.covers(graph_seqs) else None
 
     def slot_mapping(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -289,8 +284,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> ModelOutput:
         """Run one forward pass over every sequence's new tokens."""
-        if self.graphs is not None and self._is_graph_step(seqs):
-            return self._execute_graph(self.graphs, seqs)
+        graph_seqs = self._graph_step(seqs) if self.graphs is not None else None
+        if graph_seqs is not None:
+            assert self.graphs is not None
+            logits, hidden = self.graphs.run(graph_seqs)
+            rows_per_seq = [len(s.token_ids) for s in seqs]
+            return ModelOutput(logits=logits, hidden_states=hidden, num_rows=rows_per_seq)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -230,18 +230,18 @@ class TritonBackend(AttentionBackend):
 
     @staticmethod
     def static_metadata(
-        slot_mapping: torch.Tensor,  # [S] int64
+        slot_mapping: torch.Tensor,  # [N] int64
         block_tables: torch.Tensor,  # [S, max_blocks] int32, rows may be strided
         cu_q: torch.Tensor,  # [S + 1] int32
         seq_lens: torch.Tensor,  # [S] int32, contiguous
-        mask_offsets: torch.Tensor,  # [S] int32
+        mask_offsets: torch.Tensor,  # [S] int32: byte offsets into `masks`, -1 when causal
         masks: torch.Tensor,  # uint8
         max_position: int,
     ) -> AttentionMetadata:
         """The metadata of a step whose kernel inputs already live in the given device tensors
         (a CUDA graph's static buffers), without `prepare`'s host copy. Its host-side lists
-        are placeholders: one query token per sequence, sequence lengths unknown to the host."""
-        num_seqs = slot_mapping.shape[0]
+        are placeholders: only their number of sequences is right."""
+        num_seqs = cu_q.shape[0] - 1
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             query_lens=[1] * num_seqs,
