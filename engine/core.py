@@ -358,7 +358,11 @@ class LLMEngine:
 
 def _rows_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     """An index of `rows` of a step's outputs: a slice (views, no copy) when they are
-    consecutive."""
+    consecutive, else a tensor on `device` (copied from pinned memory on CUDA, which does not
+    wait for the step's kernels)."""
     if rows and rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+    index = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        index = index.pin_memory()
+    return index.to(device, non_blocking=True)
