@@ -115,6 +115,7 @@ class ModelRunner:
                 ),
             )
         self.kv_caches: list[KVCache] = []
+        self._kv_pool = torch.empty(0)
         self.graphs: StepGraphs | None = None
         shard.barrier()  # ranks load at different speeds; the profile step needs them all
         self.num_blocks, self.kv_pool_source = self._num_kv_blocks(config)
@@ -160,14 +161,18 @@ class ModelRunner:
         return length
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
-        shape = (num_blocks, self.block_size, self.model.layout.num_kv_heads, self.config.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.config.num_layers)
-        ]
+        """Every layer's (key, value) cache: contiguous views of one pool tensor, so that a
+        copy between slots moves them in all layers at once (`copy_slots`)."""
+        layout = self.model.layout
+        shape = (self.config.num_layers, 2, num_blocks, self.block_size, layout.num_kv_heads)
+        self._kv_pool = torch.zeros(
+            (*shape, self.config.head_dim), dtype=self.dtype, device=self.device
+        )  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        return [(layer[0], layer[1]) for layer in self._kv_pool]
+
+    def _kv_slots(self) -> torch.Tensor:  # [layers * 2, slots, kv_heads, head_dim], a view
+        pool = self._kv_pool
+        return pool.view(pool.shape[0] * 2, -1, *pool.shape[4:])
 
     def _block_bytes(self) -> int:
         return kv_block_bytes(
@@ -206,7 +211,7 @@ class ModelRunner:
         self.execute([step])
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
-        self.kv_caches = []
+        self.kv_caches, self._kv_pool = [], torch.empty(0)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         non_torch = total - free - torch.cuda.memory_reserved(device)
@@ -256,9 +261,8 @@ class ModelRunner:
         if not src:
             return
         src_index, dst_index = self._to_device(src, dst)
-        for cache in (c for layer in self.kv_caches for c in layer):
-            flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
-            flat.index_copy_(0, dst_index, flat.index_select(0, src_index))
+        slots = self._kv_slots()
+        slots.index_copy_(1, dst_index, slots.index_select(1, src_index))
 
     def read_kv(self, slots: list[int]) -> list[torch.Tensor]:
         """The K/V each rank holds at cache `slots`: one [num_layers, 2, len(slots),
@@ -267,12 +271,8 @@ class ModelRunner:
         return [self._kv_at(index)]
 
     def _kv_at(self, index: torch.Tensor) -> torch.Tensor:
-        return torch.stack(
-            [
-                torch.stack([c.view(-1, *c.shape[2:]).index_select(0, index) for c in layer])
-                for layer in self.kv_caches
-            ]
-        )
+        layers = self.config.num_layers
+        return self._kv_slots().index_select(1, index).unflatten(0, (layers, 2))
 
     def close(self) -> None:
         """Stop what the runner started (another rank's processes); idempotent."""
