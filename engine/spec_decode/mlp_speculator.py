@@ -21,8 +21,10 @@ which other servers ignore.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import CANDIDATE_SELECTIONS
+from engine.spec_decode.candidates import coverage_picks, tree_shape
 
 MODEL_TYPE = "mlp_speculator"
 DRAFT_VOCABULARY_FILE = "draft_vocabulary.json"
@@ -110,44 +113,6 @@ class MLPSpeculatorConfig:
         d = asdict(self)
         d["top_k_tokens_per_head"] = list(self.top_k_tokens_per_head)
         return {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": MODEL_TYPE, **d}
-
-
-def select_by_coverage(
-    prefix_scores: Sequence[torch.Tensor],  # per depth d: [B, F_d] summed log-probabilities
-    n_candidates: int,
-) -> torch.Tensor:  # [B, N] int64 leaf indices, in the order picked
-    """Greedy tree building over a mixed-radix tree whose depth-d nodes have the summed
-    log-probabilities `prefix_scores[d]` (the last entry holds the leaves). Under the draft
-    probabilities, a node is accepted with the probability of its whole path, so a set of
-    paths is expected to gain the sum of those probabilities over the nodes it contains. Each
-    pick is the leaf whose path adds the most to that sum; ties go to the lower leaf index.
-    Unlike the best joint paths, which crowd behind a confident first token, this spreads the
-    paths over the first tokens when the first head is unsure and deepens them when it is not.
-    """
-    last = prefix_scores[-1]
-    batch, num_leaves = last.shape
-    leaves = np.arange(num_leaves)
-    ancestors = [leaves // (num_leaves // level.shape[1]) for level in prefix_scores]  # [L] each
-    # The exponentials on the scores' device; the few picks on the host, on the calling thread
-    # (torch ops this small cost more to dispatch than to compute).
-    probs = [
-        level.exp().cpu().numpy()[:, a] for level, a in zip(prefix_scores, ancestors, strict=True)
-    ]  # [B, L] float32 each
-    covered = [np.zeros((batch, level.shape[1]), dtype=bool) for level in prefix_scores]
-    taken = np.zeros((batch, num_leaves), dtype=bool)
-    rows = np.arange(batch)
-    picks: list[np.ndarray] = []
-    for _ in range(n_candidates):
-        gain = np.zeros((batch, num_leaves), dtype=np.float32)  # [B, L], summed depth by depth
-        for p, c, a in zip(probs, covered, ancestors, strict=True):
-            gain += np.where(c[:, a], np.float32(0.0), p)
-        gain[taken] = -1.0
-        pick = gain.argmax(-1)  # [B]: the first maximum
-        picks.append(pick)
-        taken[rows, pick] = True
-        for c, a in zip(covered, ancestors, strict=True):
-            c[rows, a[pick]] = True
-    return torch.from_numpy(np.stack(picks, 1).astype(np.int64)).to(last.device)
 
 
 def check_selection(selection: str) -> None:
@@ -285,6 +250,21 @@ class MLPSpeculator(nn.Module):
         z = self.emb[i](token_ids) * self.emb_scale
         return F.gelu(self.ln[i](self.proj[i](state) + z))
 
+    def _draft_stage(
+        self,
+        i: int,
+        projected: torch.Tensor,  # [G, 1, inner_dim]: proj_i(s_i) of each group's parent
+        token_ids: torch.Tensor,  # [G, c]: the tokens drafted from that parent
+    ) -> torch.Tensor:  # [G * c, inner_dim]
+        """`stage` for groups of tokens that share their parent's state (so its projection),
+        for inference: the same operations on the same values, written in place where `stage`
+        makes a new tensor."""
+        norm = cast(SpeculatorNorm, self.ln[i])
+        weight = cast(nn.Embedding, self.emb[i]).weight
+        x = F.embedding(token_ids, weight).mul_(self.emb_scale).add_(projected)  # [G, c, d]
+        x.mul_(x.pow(2).mean(-1, keepdim=True).add_(_EPS).rsqrt_())
+        return F.gelu(x.mul_(norm.weight).add_(norm.bias)).flatten(0, 1)
+
     def forward(
         self,
         state: torch.Tensor,  # [B, L, emb_dim]: base states at positions t
@@ -308,38 +288,66 @@ class MLPSpeculator(nn.Module):
         n_candidates: int,
         selection: str = "joint",
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, N, n] int64 paths, [B, N] float32 scores
-        """`n_candidates` draft paths and their summed log-probabilities, from a tree that
-        branches into the top `top_k_tokens_per_head[i]` tokens at head i. Children carry their
-        parent's new state; leaves are in mixed-radix order of their ranks (fms-extras'
-        `generate_suffixes`). `selection` "joint" keeps the paths of highest summed
+        """`draft_candidates` as tensors on `state`'s device."""
+        paths, scores = self.draft_candidates(
+            state, token_ids, top_k_tokens_per_head, n_candidates, selection
+        )
+        return torch.from_numpy(paths).to(state.device), torch.from_numpy(scores).to(state.device)
+
+    @torch.inference_mode()
+    def draft_candidates(
+        self,
+        state: torch.Tensor,  # [B, emb_dim]: final-norm state where the base chose token_ids
+        token_ids: torch.Tensor,  # [B] int64
+        top_k_tokens_per_head: Sequence[int],
+        n_candidates: int,
+        selection: str = "joint",
+    ) -> tuple[np.ndarray, np.ndarray]:  # [B, N, n] int64 paths, [B, N] float32 scores
+        """`n_candidates` draft paths and their summed log-probabilities, on the host, from a
+        tree that branches into the top `top_k_tokens_per_head[i]` tokens at head i. Children
+        carry their parent's new state; leaves are in mixed-radix order of their ranks
+        (fms-extras' `generate_suffixes`). `selection` "joint" keeps the paths of highest summed
         log-probability, best first (fms-extras); "coverage" picks paths one at a time, each
-        adding the most expected accepted drafts to those already picked (see
-        `select_by_coverage`)."""
+        adding the most expected accepted drafts to those already picked (`coverage_picks`).
+
+        The stages and each head's top k run on `state`'s device; one copy brings the tree's
+        log-probabilities and tokens to the host, where the selection is made."""
         check_tree_shape(self.config.n_predict, top_k_tokens_per_head, n_candidates)
         check_selection(selection)
         batch = state.shape[0]
-        s = self.initial_state(state).unsqueeze(1)  # [B, 1, d_in]
-        tokens = token_ids.view(batch, 1)  # [B, F]: the frontier's tokens
-        scores = torch.zeros(batch, 1, dtype=torch.float32, device=state.device)  # [B, F]
-        paths = torch.zeros(batch, 1, 0, dtype=torch.int64, device=state.device)  # [B, F, i]
-        prefix_scores = []  # per head: [B, F] summed log-probabilities of the frontier
+        # The frontier's nodes come in groups of siblings, which share their parent's state and
+        # so its projection: G groups (at first the roots) of c tokens each, F = G * c nodes.
+        parents = self.initial_state(state)  # [B * G, d]
+        tokens = token_ids.view(batch, 1)  # [B * G, c]
+        levels: list[torch.Tensor] = []  # per head: [B * F, k] log-probabilities, then ids
         for i, k in enumerate(top_k_tokens_per_head):
-            s = self.stage(i, s, tokens)  # [B, F, d]
-            logprobs = self.head[i](s).float().log_softmax(-1)  # [B, F, vocab or V']
-            top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # [B, F, k]
+            projected = self.proj[i](parents).unsqueeze(1)  # [B * G, 1, d]
+            parents = self._draft_stage(i, projected, tokens)  # [B * F, d]
+            logprobs = self.head[i](parents).float().log_softmax(-1)  # [B * F, vocab or V']
+            top_logprobs, tokens = logprobs.topk(k, dim=-1)  # [B * F, k] each
             if self.draft_vocabulary is not None:
-                top_ids = self.draft_vocabulary[top_ids]
-            scores = (scores.unsqueeze(-1) + top_logprobs).flatten(1)  # [B, F*k]
-            prefix_scores.append(scores)
-            paths = torch.cat(
-                [paths.unsqueeze(2).expand(-1, -1, k, -1), top_ids.unsqueeze(-1)], dim=-1
-            ).flatten(1, 2)  # [B, F*k, i+1]
-            s = s.unsqueeze(2).expand(-1, -1, k, -1).flatten(1, 2)  # [B, F*k, d]
-            tokens = top_ids.flatten(1)  # [B, F*k]
+                tokens = self.draft_vocabulary[tokens]
+            levels += [top_logprobs, tokens]
+        # float64 holds both exactly: the one copy to the host
+        host = torch.cat([t.flatten().double() for t in levels]).cpu().numpy()
+        widths = tuple(itertools.accumulate(top_k_tokens_per_head, operator.mul))  # [D]
+        scores = np.zeros((batch, 1), dtype=np.float32)  # [B, F]
+        prefix_scores: list[np.ndarray] = []  # per depth: [B, F_d] summed log-probabilities
+        node_tokens: list[np.ndarray] = []  # per depth: [B, F_d] token ids
+        offset = 0
+        for k, width in zip(top_k_tokens_per_head, widths, strict=True):
+            size = batch * width
+            step = host[offset : offset + size].astype(np.float32).reshape(batch, -1, k)
+            scores = (scores[:, :, None] + step).reshape(batch, width)
+            prefix_scores.append(scores)  # [B, F_d]
+            node_tokens.append(host[offset + size : offset + 2 * size].astype(np.int64))
+            offset += 2 * size
         if selection == "coverage":
-            best = select_by_coverage(prefix_scores, n_candidates)
-            best_scores = scores.gather(1, best)
+            probs = [torch.from_numpy(level).exp().numpy() for level in prefix_scores]
+            best = coverage_picks(probs, n_candidates)  # [B, N]
         else:
-            best_scores, best = scores.topk(n_candidates, dim=-1)  # [B, N]
-        best_paths = paths.gather(1, best.unsqueeze(-1).expand(-1, -1, paths.shape[-1]))
-        return best_paths, best_scores
+            best = torch.from_numpy(scores).topk(n_candidates, dim=-1)[1].numpy()  # [B, N]
+        all_tokens = np.concatenate([t.reshape(batch, -1) for t in node_tokens], 1)  # [B, nodes]
+        rows = np.arange(batch)[:, None]  # [B, 1]
+        paths = all_tokens[rows[:, :, None], tree_shape(widths).path_nodes[best]]  # [B, N, D]
+        return paths, scores[rows, best]

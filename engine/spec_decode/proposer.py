@@ -57,6 +57,8 @@ class _FlatLinear(nn.Module):
         self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.dim() == 2:
+            return self.linear(x)
         y = self.linear(x.reshape(-1, x.shape[-1]))
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -143,9 +145,9 @@ class MLPProposer:
         last = torch.tensor([p.token_ids[-1] for p in inputs], device=param.device)
         rows = len(inputs) * math.prod(self.top_k_tokens_per_head[:-1])  # the last head's input
         with single_threaded_glue(param.device, rows <= ROWS_MAX and load_rows_gemm() is not None):
-            paths, _ = self.speculator.generate_candidates(
+            paths, _ = self.speculator.draft_candidates(
                 states, last, self.top_k_tokens_per_head, self.n_candidates, self.selection
-            )
+            )  # [B, N, n_predict] on the host
         return [
             DraftTree.from_paths(candidates, p.max_depth)
             for p, candidates in zip(inputs, paths.tolist(), strict=True)

@@ -1,0 +1,79 @@
+"""Candidate paths from a speculator's top-k tree, on the host.
+
+The speculator's heads branch into the top `k_d` tokens at depth d, so depth d holds
+`F_d = k_0 * ... * k_d` nodes in mixed-radix order of their ranks (the root not counted), and
+leaf j's ancestor at depth d is node `j // (F_last / F_d)`. Candidates are leaves, picked by
+their summed log-probabilities ("joint") or by `coverage_picks`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+
+class TreeShape(NamedTuple):
+    """Index arrays of a mixed-radix tree (`tree_shape`), read-only."""
+
+    ancestors: np.ndarray  # [D, L]: each leaf's ancestor at every depth (the leaf itself last)
+    common: np.ndarray  # [L, L]: ancestors two leaves share (depth + 1 for a leaf and itself)
+    path_nodes: np.ndarray  # [L, D]: each leaf's path, as nodes numbered depth by depth
+
+
+@functools.lru_cache(maxsize=64)
+def tree_shape(widths: tuple[int, ...]) -> TreeShape:
+    """The index arrays of a mixed-radix tree with `widths[d]` nodes at depth d (the last: the
+    leaves); nodes are numbered depth by depth from 0, the root not counted."""
+    num_leaves = widths[-1]
+    leaves = np.arange(num_leaves)
+    ancestors = np.stack([leaves // (num_leaves // w) for w in widths])  # [D, L]
+    common = (ancestors[:, :, None] == ancestors[:, None, :]).sum(0)  # [L, L]
+    common[leaves, leaves] = len(widths) + 1
+    starts = np.cumsum((0, *widths[:-1]))  # [D]: the first node of each depth
+    path_nodes = np.ascontiguousarray((ancestors + starts[:, None]).T)  # [L, D]
+    for array in (ancestors, common, path_nodes):
+        array.setflags(write=False)
+    return TreeShape(ancestors, common, path_nodes)
+
+
+def coverage_picks(
+    probs: Sequence[np.ndarray],  # per depth d: [B, F_d] float32 path probabilities
+    n_candidates: int,
+) -> np.ndarray:  # [B, N] int64 leaf indices, in the order picked
+    """Greedy tree building: `probs[d]` holds the probability of each depth-d node's whole
+    path under the draft distributions (the exponential of its summed log-probabilities), which
+    is the probability that the node is accepted. A set of paths is then expected to gain the
+    sum of those probabilities over the nodes it contains; each pick is the leaf whose path adds
+    the most to that sum, ties to the lower leaf index. Unlike the best joint paths, which crowd
+    behind a confident first token, this spreads the paths over the first tokens when the first
+    head is unsure and deepens them when it is not.
+
+    A leaf's gain is the sum, in depth order in float32, of its ancestors' probabilities from
+    the first ancestor no picked leaf shares down to itself (a picked leaf shares an ancestor
+    with it from the root down to their last common one); a picked leaf's gain is -1.
+    """
+    depth = len(probs)
+    batch, num_leaves = probs[-1].shape
+    ancestors, common, _ = tree_shape(tuple(level.shape[1] for level in probs))
+    leaf_probs = [level[:, a] for level, a in zip(probs, ancestors, strict=True)]  # [B, L] each
+    # gains[m]: a leaf's gain when its first m ancestors are covered; m = depth + 1 marks a
+    # picked leaf (`tree_shape` gives a leaf depth + 1 common ancestors with itself).
+    gains = np.empty((depth + 2, batch, num_leaves), dtype=np.float32)  # [D + 2, B, L]
+    for m in range(depth):
+        gains[m] = leaf_probs[m]
+        for p in leaf_probs[m + 1 :]:
+            gains[m] += p
+    gains[depth] = 0.0
+    gains[depth + 1] = -1.0
+    flat = gains.reshape(-1)
+    cells = np.arange(batch * num_leaves).reshape(batch, num_leaves)  # [B, L]
+    covered = np.zeros((batch, num_leaves), dtype=np.int64)  # [B, L]: covered ancestors
+    picks = np.empty((batch, n_candidates), dtype=np.int64)  # [B, N]
+    for n in range(n_candidates):
+        pick = flat.take(covered * (batch * num_leaves) + cells).argmax(-1)  # [B]: first maximum
+        picks[:, n] = pick
+        np.maximum(covered, common[pick], out=covered)
+    return picks

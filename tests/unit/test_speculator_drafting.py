@@ -1,0 +1,230 @@
+"""Drafting with the MLP speculator: `MLPSpeculator.generate_candidates` (and the proposer that
+serves it) against a plain per-node reference of the same maths.
+
+Oracle: `_reference_candidates` walks the top-k tree one node at a time in float64, from the
+recurrence in mlp_speculator.py's docstring (`s_{i+1} = GELU(ln_i(proj_i(s_i) + (alpha / beta) *
+emb_i(tok_i)))`, `logits_i = head_i(s_{i+1})`), and picks candidates by the rules the
+`draft_candidates` and `coverage_picks` docstrings state, with none of the module's
+batching, shared projections or host-side bookkeeping.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import cast
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from engine.spec_decode.candidates import coverage_picks
+from engine.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.spec_decode.proposer import MLPProposer, ProposalInput, use_engine_linears
+from engine.spec_decode.tree import DraftTree
+
+VOCAB, EMB_DIM, INNER_DIM = 120, 24, 16
+
+
+def _param(module: nn.Module, name: str = "weight") -> torch.Tensor:
+    return cast(torch.Tensor, getattr(module, name))
+
+
+def _speculator(
+    n_predict: int = 3, tie: bool = False, scale: bool = False, seed: int = 0
+) -> MLPSpeculator:
+    config = MLPSpeculatorConfig(
+        vocab_size=VOCAB, emb_dim=EMB_DIM, inner_dim=INNER_DIM, n_predict=n_predict,
+        tie_weights=tie, scale_input=scale,
+    )  # fmt: skip
+    model = MLPSpeculator(config)
+    generator = torch.Generator().manual_seed(seed)
+    model.reset_parameters(generator)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("ln."):
+                p.add_(torch.randn(p.shape, generator=generator) * 0.2)
+    return model
+
+
+@torch.no_grad()
+def _reference_tree(
+    model: MLPSpeculator,
+    state: torch.Tensor,  # [emb_dim]
+    token: int,
+    top_k: tuple[int, ...],
+    vocab: list[int] | None,
+) -> list[list[tuple[tuple[int, ...], float]]]:
+    """Per depth, every node of the top-k tree as (path, summed log-probability), in mixed-radix
+    order of the ranks; `vocab` (base ids) restricts the heads, whose weights are the full ones."""
+    cfg = model.config
+    beta = 0.5 ** (0.5 / cfg.n_predict)
+    scale = math.sqrt((1 - beta**2) * cfg.inner_dim / 2) / beta
+    s0 = state.double()
+    if cfg.scale_input:
+        s0 = s0 / torch.sqrt(s0.pow(2).mean() + 1e-6) / math.sqrt(2)
+    columns = list(range(cfg.vocab_size)) if vocab is None else vocab
+    # (path, score, the state the node's children read, the node's token)
+    frontier: list[tuple[tuple[int, ...], float, torch.Tensor, int]] = [((), 0.0, s0, token)]
+    levels = []
+    for i, k in enumerate(top_k):
+        proj, emb = _param(model.proj[i]).double(), _param(model.emb[i]).double()
+        ln_w, ln_b = _param(model.ln[i]).double(), _param(model.ln[i], "bias").double()
+        head = _param(model.head[i]).double()[columns]  # [V', inner]
+        children = []
+        for path, score, s, tok in frontier:
+            x = proj @ s + scale * emb[tok]
+            x = ln_w * x / torch.sqrt(x.pow(2).mean() + 1e-6) + ln_b
+            s_next = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+            logprobs = (head @ s_next).log_softmax(-1).tolist()
+            ranked = sorted(range(len(columns)), key=lambda c: (-logprobs[c], c))[:k]
+            for c in ranked:
+                t = columns[c]
+                children.append(((*path, t), score + logprobs[c], s_next, t))
+        levels.append([(path, score) for path, score, _, _ in children])
+        frontier = children
+    return levels
+
+
+def _reference_candidates(
+    levels: list[list[tuple[tuple[int, ...], float]]], n: int, selection: str
+) -> list[tuple[tuple[int, ...], float]]:
+    """The `n` candidate leaves by `selection`'s rule, in the order picked."""
+    leaves = levels[-1]
+    if selection == "joint":
+        order = sorted(range(len(leaves)), key=lambda j: (-leaves[j][1], j))
+        return [leaves[j] for j in order[:n]]
+    prob = {path: math.exp(score) for level in levels for path, score in level}
+    covered: set[tuple[int, ...]] = set()
+    picked: list[int] = []
+    for _ in range(n):
+        gains = [
+            -1.0
+            if j in picked
+            else sum(prob[path[: d + 1]] for d in range(len(path)) if path[: d + 1] not in covered)
+            for j, (path, _) in enumerate(leaves)
+        ]
+        j = max(range(len(leaves)), key=lambda j: (gains[j], -j))
+        picked.append(j)
+        covered.update(leaves[j][0][: d + 1] for d in range(len(leaves[j][0])))
+    return [leaves[j] for j in picked]
+
+
+def _check_against_reference(
+    model: MLPSpeculator,
+    reference: MLPSpeculator,
+    states: torch.Tensor,
+    tokens: torch.Tensor,
+    top_k: tuple[int, ...],
+    n: int,
+    selection: str,
+    vocab: list[int] | None,
+) -> None:
+    paths, scores = model.generate_candidates(states, tokens, top_k, n, selection)
+    assert paths.shape == (states.shape[0], n, len(top_k)) and paths.dtype == torch.int64
+    assert scores.shape == (states.shape[0], n) and scores.dtype == torch.float32
+    for b in range(states.shape[0]):
+        levels = _reference_tree(reference, states[b], int(tokens[b]), top_k, vocab)
+        expected = _reference_candidates(levels, n, selection)
+        assert [tuple(p) for p in paths[b].tolist()] == [path for path, _ in expected]
+        for got, (_, score) in zip(scores[b].tolist(), expected, strict=True):
+            assert got == pytest.approx(score, abs=1e-5)
+
+
+@pytest.mark.parametrize("selection", ["joint", "coverage"])
+@pytest.mark.parametrize("engine_linears", [False, True])
+@pytest.mark.parametrize(
+    ("tie", "scale", "restricted"),
+    [(False, False, False), (False, True, True), (True, False, True), (True, True, False)],
+)
+def test_candidates_match_the_per_node_reference(
+    selection: str, engine_linears: bool, tie: bool, scale: bool, restricted: bool
+) -> None:
+    reference = _speculator(tie=tie, scale=scale, seed=3)
+    model = copy.deepcopy(reference)
+    vocab = None
+    if restricted:
+        vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))[:40]
+        model.restrict_vocabulary(vocab)
+    if engine_linears:
+        use_engine_linears(model)
+    generator = torch.Generator().manual_seed(5)
+    for batch in (1, 3):
+        states = 2 * torch.randn(batch, EMB_DIM, generator=generator)
+        tokens = torch.randint(0, VOCAB, (batch,), generator=generator)
+        for top_k, n in (((5, 3, 2), 5), ((4, 2, 2), 16), ((2, 1, 3), 1)):
+            _check_against_reference(
+                model, reference, states, tokens, top_k, n, selection,
+                None if vocab is None else vocab.tolist(),
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("n_predict", [1, 2, 4])
+def test_other_depths_match_the_per_node_reference(n_predict: int) -> None:
+    model = _speculator(n_predict=n_predict, scale=True, seed=6)
+    top_k = (3, 2, 2, 2)[:n_predict]
+    states = 2 * torch.randn(2, EMB_DIM, generator=torch.Generator().manual_seed(7))
+    tokens = torch.tensor([5, 99])
+    for selection in ("joint", "coverage"):
+        for n in (1, math.prod(top_k)):
+            _check_against_reference(model, model, states, tokens, top_k, n, selection, None)
+
+
+def test_candidates_are_on_the_states_device_and_the_module_still_trains() -> None:
+    model = _speculator(scale=True)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    states = torch.randn(2, EMB_DIM, generator=torch.Generator().manual_seed(8))
+    paths, scores = model.generate_candidates(states, torch.tensor([1, 2]), (5, 3, 2), 5)
+    assert paths.device == states.device and scores.device == states.device
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    logits = model(states[:, None], torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]))  # [3, 2, 1, V]
+    logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_non_finite_log_probabilities_still_draft_distinct_tokens() -> None:
+    model = _speculator()
+    with torch.no_grad():
+        _param(model.head[1])[7, 0] = math.nan  # head 1's log-probabilities all nan
+    states = torch.randn(1, EMB_DIM, generator=torch.Generator().manual_seed(10))
+    paths, _ = model.generate_candidates(states, torch.tensor([3]), (2, 3, 2), 12)
+    leaves = [tuple(p) for p in paths[0].tolist()]
+    for first in {leaf[0] for leaf in leaves}:
+        assert len({leaf[1] for leaf in leaves if leaf[0] == first}) == 3
+
+
+def test_coverage_picks_match_the_reference() -> None:
+    generator = torch.Generator().manual_seed(11)
+    levels = []  # per depth: [B, F_d] summed log-probabilities
+    scores = torch.zeros(3, 1)
+    for k in (4, 3, 2):
+        step = -3 * torch.rand(3, scores.shape[1], k, generator=generator)  # [B, F, k]
+        scores = (scores[:, :, None] + step).flatten(1)
+        levels.append(scores)
+    picks = coverage_picks([level.exp().numpy() for level in levels], 7)
+    assert picks.dtype == np.int64 and picks.shape == (3, 7)
+    # Each leaf's path as its ancestors' indices, depth by depth: a node's key is its prefix.
+    paths = [tuple(j // (24 // level.shape[1]) for level in levels) for j in range(24)]
+    for b in range(3):
+        tree = [[(p[: d + 1], float(levels[d][b, p[d]])) for p in paths] for d in range(3)]
+        expected = _reference_candidates(tree, 7, "coverage")
+        assert [paths.index(path) for path, _ in expected] == picks[b].tolist()
+    underflow = [(level - 200 * (level < -4)).exp().numpy() for level in levels]  # some 0
+    everything = coverage_picks(underflow, 24)  # gains all 0 before the last picks
+    assert sorted(everything[0].tolist()) == list(range(24))
+
+
+def test_the_proposer_drafts_the_candidates_as_trees() -> None:
+    reference = _speculator(scale=True, seed=12)
+    proposer = MLPProposer(copy.deepcopy(reference), (4, 2, 2), 5)
+    states = torch.randn(3, EMB_DIM, generator=torch.Generator().manual_seed(13))
+    inputs = [
+        ProposalInput(f"r{b}", [1, 2, 10 * b + 3], states[b], max_depth)
+        for b, max_depth in enumerate((3, 2, 1))
+    ]
+    trees = proposer.propose(inputs)
+    for p, tree in zip(inputs, trees, strict=True):
+        levels = _reference_tree(reference, p.hidden_state, p.token_ids[-1], (4, 2, 2), None)
+        expected = [path for path, _ in _reference_candidates(levels, 5, "coverage")]
+        assert tree == DraftTree.from_paths(expected, p.max_depth)
