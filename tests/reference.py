@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from engine.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from training import prompts
 from training.prompts import CHAT_PROMPTS
 
@@ -131,3 +132,28 @@ class TreeRows:
         from_tree: bool,
     ) -> None:
         self.count += len(request_ids) if from_tree else 0
+
+
+def random_speculator(
+    vocab_size: int,
+    n_predict: int = 3,
+    tie: bool = False,
+    scale: bool = False,
+    seed: int = 0,
+    emb_dim: int = 24,
+    inner_dim: int = 16,
+) -> MLPSpeculator:
+    """A small MLP speculator with fms's initialisation from `seed`, its norms' weights and
+    biases perturbed (so they matter)."""
+    config = MLPSpeculatorConfig(
+        vocab_size=vocab_size, emb_dim=emb_dim, inner_dim=inner_dim, n_predict=n_predict,
+        tie_weights=tie, scale_input=scale,
+    )  # fmt: skip
+    model = MLPSpeculator(config)
+    generator = torch.Generator().manual_seed(seed)
+    model.reset_parameters(generator)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("ln."):
+                p.add_(torch.randn(p.shape, generator=generator) * 0.2)
+    return model

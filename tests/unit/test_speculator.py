@@ -24,24 +24,14 @@ from engine.spec_decode.mlp_speculator import (
     MLPSpeculatorConfig,
 )
 from engine.spec_decode.tree import DraftTree
+from tests.reference import random_speculator
 from tools.tiny_speculator import FORMATS, write_tiny_speculator
 
 
 def _random_speculator(
     n_predict: int = 3, tie: bool = False, scale: bool = False, seed: int = 0
 ) -> MLPSpeculator:
-    config = MLPSpeculatorConfig(
-        vocab_size=50, emb_dim=24, inner_dim=16, n_predict=n_predict, tie_weights=tie,
-        scale_input=scale,
-    )  # fmt: skip
-    model = MLPSpeculator(config)
-    generator = torch.Generator().manual_seed(seed)
-    model.reset_parameters(generator)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith("ln."):
-                p.add_(torch.randn(p.shape, generator=generator) * 0.2)
-    return model
+    return random_speculator(50, n_predict, tie, scale, seed)
 
 
 @torch.no_grad()

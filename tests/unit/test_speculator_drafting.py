@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from engine.spec_decode.candidates import coverage_picks
-from engine.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.spec_decode.mlp_speculator import MLPSpeculator
 from engine.spec_decode.proposer import MLPProposer, ProposalInput, use_engine_linears
 from engine.spec_decode.tree import DraftTree
+from tests.reference import random_speculator
 
 VOCAB, EMB_DIM, INNER_DIM = 120, 24, 16
 
@@ -34,18 +35,7 @@ def _param(module: nn.Module, name: str = "weight") -> torch.Tensor:
 def _speculator(
     n_predict: int = 3, tie: bool = False, scale: bool = False, seed: int = 0
 ) -> MLPSpeculator:
-    config = MLPSpeculatorConfig(
-        vocab_size=VOCAB, emb_dim=EMB_DIM, inner_dim=INNER_DIM, n_predict=n_predict,
-        tie_weights=tie, scale_input=scale,
-    )  # fmt: skip
-    model = MLPSpeculator(config)
-    generator = torch.Generator().manual_seed(seed)
-    model.reset_parameters(generator)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith("ln."):
-                p.add_(torch.randn(p.shape, generator=generator) * 0.2)
-    return model
+    return random_speculator(VOCAB, n_predict, tie, scale, seed, EMB_DIM, INNER_DIM)
 
 
 @torch.no_grad()
