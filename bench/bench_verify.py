@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.common import best_of, engine_step, interleaved_min, matmul_floor
@@ -113,8 +114,8 @@ def main() -> None:
     out = runner.execute([SequenceInput(prompt, 0, table)])
     state, last = out.hidden_states, out.logits.argmax(-1)
 
-    def draft() -> torch.Tensor:
-        return speculator.generate_candidates(
+    def draft() -> np.ndarray:
+        return speculator.draft_candidates(
             state, last, args.top_k, args.candidates, args.selection
         )[0]
 
@@ -123,7 +124,7 @@ def main() -> None:
     use_engine_linears(speculator)  # as MLPProposer serves it
     plain_draft = draft
 
-    def draft() -> torch.Tensor:
+    def draft() -> np.ndarray:
         with single_threaded_glue(state.device):  # as MLPProposer.propose drafts
             return plain_draft()
 

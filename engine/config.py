@@ -13,7 +13,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 """The weight and KV dtypes the engine serves, by name."""
 
 CANDIDATE_SELECTIONS = ("coverage", "joint")
-"""How a proposer picks its candidate paths (see `MLPSpeculator.generate_candidates`)."""
+"""How a proposer picks its candidate paths (see `MLPSpeculator.draft_candidates`)."""
 
 DEFAULT_MEMORY_FRACTION = 0.9
 """Of a CUDA device's memory, what this process plans for (TGIS's CUDA_PROCESS_MEMORY_FRACTION):

@@ -239,8 +239,7 @@ class LLMEngine:
         """Run the model, then choose each completing request's tokens: one from its last row,
         or a walk down its draft tree. Fills `hidden_states` with the state each request's last
         chosen token came from."""
-        trees = self.drafter.take_trees() if self.drafter is not None else {}
-        batch = self._build_batch(sched, trees)
+        batch = self._build_batch(sched, self.drafter.take_trees() if self.drafter else {})
         out = self.runner.execute(batch.inputs)
         results = _Results()
         for req, row, positions in batch.prompt_rows:
@@ -261,10 +260,6 @@ class LLMEngine:
             hidden_states[req.request_id] = out.hidden_states[batch.choice_rows[i]]
         for v in batch.verifying:
             v.walk(choices)
-        self._observe(out, batch)
-        if batch.verifying:
-            self.runner.copy_slots(*accepted_slot_moves(batch.verifying, self.kv))
-        for v in batch.verifying:
             request_id = v.request.request_id
             if v.error is not None:
                 results.errors[request_id] = v.error
@@ -276,6 +271,8 @@ class LLMEngine:
             hidden_states[request_id] = out.hidden_states[v.last_row]
             if self.drafter is not None:
                 self.drafter.observe_tree(v.tree, v.token_ids, Method.of(v.request.sampling_params))
+        self._observe(out, batch)
+        self.runner.copy_slots(*accepted_slot_moves(batch.verifying, self.kv))
         return results
 
     def _build_batch(self, sched: SchedulerOutput, trees: dict[str, DraftTree]) -> _Batch:
@@ -332,10 +329,9 @@ class LLMEngine:
     def _choose(self, out: ModelOutput, batch: _Batch) -> Choices:
         """One token (or an error) for each of the batch's choice rows, in one sampler call: one
         device-to-host copy for the whole step."""
-        rows = batch.choice_rows
-        if not rows:
+        if not batch.choice_rows:
             return Choices([], [], [])
-        logits = out.logits[_rows_index(rows, out.logits.device)]
+        logits = out.logits[self.runner.rows_index(batch.choice_rows)]
         return self.sampler.sample(logits, batch.choice_requests, batch.choice_emitted)
 
     def _observe(self, out: ModelOutput, batch: _Batch) -> None:
@@ -346,23 +342,9 @@ class LLMEngine:
         sampled = [(req.request_id, batch.choice_rows[i]) for req, i in batch.sampling]
         walked = [(v.request.request_id, row) for v in batch.verifying for row in v.walked_rows()]
         for pairs, from_tree in ((sampled, False), (walked, True)):
-            if not pairs:
-                continue
-            index = _rows_index([row for _, row in pairs], out.logits.device)
-            request_ids = [request_id for request_id, _ in pairs]
-            for observer in self.observers:
-                observer.on_logits(
-                    request_ids, out.logits[index], out.hidden_states[index], from_tree
-                )
-
-
-def _rows_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
-    """An index of `rows` of a step's outputs: a slice (views, no copy) when they are
-    consecutive, else a tensor on `device` (copied from pinned memory on CUDA, which does not
-    wait for the step's kernels)."""
-    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    index = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":
-        index = index.pin_memory()
-    return index.to(device, non_blocking=True)
+            if pairs:
+                index = self.runner.rows_index([row for _, row in pairs])
+                request_ids = [request_id for request_id, _ in pairs]
+                logits, hidden = out.logits[index], out.hidden_states[index]
+                for observer in self.observers:
+                    observer.on_logits(request_ids, logits, hidden, from_tree)

@@ -232,6 +232,13 @@ class ModelRunner:
             start += len(a)
         return views
 
+    def rows_index(self, rows: list[int]) -> slice | torch.Tensor:
+        """An index of `rows` of a step's outputs: a slice (views, no copy) when they are
+        consecutive, else an int64 tensor on the device (`_to_device`)."""
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            return slice(rows[0], rows[0] + len(rows))
+        return self._to_device(rows)[0]
+
     def _graph_step(self, seqs: list[SequenceInput]) -> list[GraphSequence] | None:
         """The step as the graphs take it, or None when they do not cover it: every sequence
         feeds one token at its next position or a draft tree, with logits for every row and no

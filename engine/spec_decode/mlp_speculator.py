@@ -200,7 +200,7 @@ class MLPSpeculator(nn.Module):
     def restrict_vocabulary(self, token_ids: torch.Tensor) -> None:
         """Draft only `token_ids` [V'] (distinct base token ids): each head keeps those rows
         (a shared head stays shared), so head logits are over `token_ids`, in their order, and
-        `generate_candidates` maps its picks back to base ids. For inference only: the
+        `draft_candidates` maps its picks back to base ids. For inference only: the
         teacher-forced `forward` then scores the subset too."""
         if self.draft_vocabulary is not None:
             raise ValueError("the speculator's vocabulary is already restricted")
@@ -278,21 +278,6 @@ class MLPSpeculator(nn.Module):
             s = self.stage(i, s, token_ids[:, i : i + length])
             logits.append(self.head[i](s))
         return torch.stack(logits)
-
-    @torch.inference_mode()
-    def generate_candidates(
-        self,
-        state: torch.Tensor,  # [B, emb_dim]: final-norm state where the base chose token_ids
-        token_ids: torch.Tensor,  # [B] int64
-        top_k_tokens_per_head: Sequence[int],
-        n_candidates: int,
-        selection: str = "joint",
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, N, n] int64 paths, [B, N] float32 scores
-        """`draft_candidates` as tensors on `state`'s device."""
-        paths, scores = self.draft_candidates(
-            state, token_ids, top_k_tokens_per_head, n_candidates, selection
-        )
-        return torch.from_numpy(paths).to(state.device), torch.from_numpy(scores).to(state.device)
 
     @torch.inference_mode()
     def draft_candidates(

@@ -119,7 +119,7 @@ class MLPProposer:
     ) -> None:
         """`top_k_tokens_per_head` and `n_candidates` override the speculator's config;
         `selection` is how the candidates are picked from the tree
-        (`MLPSpeculator.generate_candidates`)."""
+        (`MLPSpeculator.draft_candidates`)."""
         check_selection(selection)
         config = speculator.config
         use_engine_linears(speculator)

@@ -102,7 +102,7 @@ def test_candidates_are_the_best_joint_paths(tie: bool, scale: bool) -> None:
     top_k = (4, 3, 2)
     states = torch.randn(2, 24, generator=torch.Generator().manual_seed(1))
     tokens = torch.tensor([3, 17])
-    paths, scores = model.generate_candidates(states, tokens, top_k, 24)  # every leaf
+    paths, scores = model.draft_candidates(states, tokens, top_k, 24)  # every leaf
     for b in range(2):
         # Expected: enumerate the tree with per-head top-k from the reference recurrence.
         leaves: dict[tuple[int, ...], float] = {}
@@ -120,7 +120,7 @@ def test_candidates_are_the_best_joint_paths(tie: bool, scale: bool) -> None:
         for path, score in got.items():
             assert score == pytest.approx(leaves[path], abs=1e-4)
         assert scores[b].tolist() == sorted(scores[b].tolist(), reverse=True)
-        best, _ = model.generate_candidates(states[b : b + 1], tokens[b : b + 1], top_k, 5)
+        best, _ = model.draft_candidates(states[b : b + 1], tokens[b : b + 1], top_k, 5)
         assert best[0].tolist() == paths[b, :5].tolist()
 
 
@@ -155,7 +155,7 @@ def test_coverage_candidates_add_the_most_expected_accepted_drafts(top_k: tuple[
     states = 3 * torch.randn(3, 24, generator=torch.Generator().manual_seed(4))
     tokens = torch.tensor([3, 17, 40])
     n = 5
-    paths, scores = model.generate_candidates(states, tokens, top_k, n, selection="coverage")
+    paths, scores = model.draft_candidates(states, tokens, top_k, n, selection="coverage")
     for b in range(3):
         leaves, prefix_prob = _reference_tree(model, states[b], int(tokens[b]), top_k)
         covered: set[tuple[int, ...]] = set()
@@ -178,7 +178,7 @@ def test_coverage_candidates_add_the_most_expected_accepted_drafts(top_k: tuple[
         for path, score in zip(expected, scores[b].tolist(), strict=True):
             assert math.exp(score) == pytest.approx(prefix_prob[path], rel=1e-4)
     with pytest.raises(ValueError, match="selection"):
-        model.generate_candidates(states, tokens, top_k, n, selection="best")
+        model.draft_candidates(states, tokens, top_k, n, selection="best")
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -193,7 +193,7 @@ def test_a_draft_vocabulary_drafts_the_best_paths_within_it(tie: bool) -> None:
     top_k = (4, 3, 2)
     states = 3 * torch.randn(2, 24, generator=torch.Generator().manual_seed(5))
     tokens = torch.tensor([3, 17])
-    paths, scores = restricted.generate_candidates(states, tokens, top_k, 24)  # every leaf
+    paths, scores = restricted.draft_candidates(states, tokens, top_k, 24)  # every leaf
     for b in range(2):
         leaves, prefix_prob = _reference_tree(
             model, states[b], int(tokens[b]), top_k, vocab.tolist()

@@ -1,4 +1,4 @@
-"""Drafting with the MLP speculator: `MLPSpeculator.generate_candidates` (and the proposer that
+"""Drafting with the MLP speculator: `MLPSpeculator.draft_candidates` (and the proposer that
 serves it) against a plain per-node reference of the same maths.
 
 Oracle: `_reference_candidates` walks the top-k tree one node at a time in float64, from the
@@ -111,9 +111,9 @@ def _check_against_reference(
     selection: str,
     vocab: list[int] | None,
 ) -> None:
-    paths, scores = model.generate_candidates(states, tokens, top_k, n, selection)
-    assert paths.shape == (states.shape[0], n, len(top_k)) and paths.dtype == torch.int64
-    assert scores.shape == (states.shape[0], n) and scores.dtype == torch.float32
+    paths, scores = model.draft_candidates(states, tokens, top_k, n, selection)
+    assert paths.shape == (states.shape[0], n, len(top_k)) and paths.dtype == np.int64
+    assert scores.shape == (states.shape[0], n) and scores.dtype == np.float32
     for b in range(states.shape[0]):
         levels = _reference_tree(reference, states[b], int(tokens[b]), top_k, vocab)
         expected = _reference_candidates(levels, n, selection)
@@ -161,12 +161,12 @@ def test_other_depths_match_the_per_node_reference(n_predict: int) -> None:
             _check_against_reference(model, model, states, tokens, top_k, n, selection, None)
 
 
-def test_candidates_are_on_the_states_device_and_the_module_still_trains() -> None:
+def test_candidates_come_to_the_host_and_the_module_still_trains() -> None:
     model = _speculator(scale=True)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     states = torch.randn(2, EMB_DIM, generator=torch.Generator().manual_seed(8))
-    paths, scores = model.generate_candidates(states, torch.tensor([1, 2]), (5, 3, 2), 5)
-    assert paths.device == states.device and scores.device == states.device
+    paths, scores = model.draft_candidates(states, torch.tensor([1, 2]), (5, 3, 2), 5)
+    assert isinstance(paths, np.ndarray) and isinstance(scores, np.ndarray)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     logits = model(states[:, None], torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]))  # [3, 2, 1, V]
     logits.sum().backward()
@@ -178,7 +178,7 @@ def test_non_finite_log_probabilities_still_draft_distinct_tokens() -> None:
     with torch.no_grad():
         _param(model.head[1])[7, 0] = math.nan  # head 1's log-probabilities all nan
     states = torch.randn(1, EMB_DIM, generator=torch.Generator().manual_seed(10))
-    paths, _ = model.generate_candidates(states, torch.tensor([3]), (2, 3, 2), 12)
+    paths, _ = model.draft_candidates(states, torch.tensor([3]), (2, 3, 2), 12)
     leaves = [tuple(p) for p in paths[0].tolist()]
     for first in {leaf[0] for leaf in leaves}:
         assert len({leaf[1] for leaf in leaves if leaf[0] == first}) == 3

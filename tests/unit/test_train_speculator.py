@@ -235,7 +235,7 @@ def test_a_frequent_vocabulary_trains_and_becomes_the_draft_vocabulary(
     assert loaded.draft_vocabulary.tolist() == vocab_ids.tolist()
     for i in range(loaded.config.n_predict):
         assert torch.equal(loaded.head[i].weight, exported.head[i].weight[vocab_ids])
-    paths, _ = loaded.generate_candidates(data.states[:4], data.tokens[:4], (5, 3, 2), 5)
+    paths, _ = loaded.draft_candidates(data.states[:4], data.tokens[:4], (5, 3, 2), 5)
     assert set(paths.flatten().tolist()) <= set(vocab_ids.tolist())
     save_speculator(exported, folder)  # no draft vocabulary: the stale file goes
     again = load_speculator(
