@@ -59,6 +59,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "store_and_attend": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P]
     + [_I] * 5
     + [_F],
+    "speculator_stage": [_P, _I, _P, _I, _I, _P, _F, _P, _P, _F, _P, _I],
+    "log_softmax_topk": [_P, _I, _I, _I, _P, _P],
 }
 
 
@@ -76,6 +78,8 @@ class CpuKernels:
         self._silu_and_mul = lib.silu_and_mul
         self._rope = lib.rope
         self.store_and_attend = lib.store_and_attend  # called by CpuAttentionBackend
+        self._speculator_stage = lib.speculator_stage
+        self._log_softmax_topk = lib.log_softmax_topk
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [N, d] (any row stride) -> x * rsqrt(mean(x^2) + eps) * weight, [N, d]."""
@@ -117,6 +121,42 @@ class CpuKernels:
             x.data_ptr(), x.stride(0), num_heads, head_dim, cos_sin.data_ptr(),
             positions.data_ptr(), x.shape[0],
         )  # fmt: skip
+
+    def speculator_stage(
+        self,
+        projected: torch.Tensor,  # [G, d], any row stride
+        token_ids: torch.Tensor,  # [G, c] int64 contiguous, each < vocab
+        emb: torch.Tensor,  # [vocab, d] contiguous
+        emb_scale: float,
+        ln_weight: torch.Tensor,  # [d]
+        ln_bias: torch.Tensor,  # [d]
+        eps: float,
+    ) -> torch.Tensor:  # [G * c, d]
+        """One MLP-speculator stage for groups of siblings (`MLPSpeculator._draft_stage`):
+        GELU(ln_weight * rms_norm(projected[g] + emb_scale * emb[token]) + ln_bias) per token,
+        with erf's GELU within 3e-7."""
+        token_ids = token_ids.to(torch.int64).contiguous()
+        groups, c = token_ids.shape
+        d = emb.shape[1]
+        out = torch.empty(groups * c, d, dtype=torch.float32)
+        self._speculator_stage(
+            projected.data_ptr(), projected.stride(0), token_ids.data_ptr(), groups, c,
+            emb.data_ptr(), emb_scale, ln_weight.data_ptr(), ln_bias.data_ptr(), eps,
+            out.data_ptr(), d,
+        )  # fmt: skip
+        return out
+
+    def log_softmax_topk(
+        self, logits: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [N, k] float32, [N, k] int64
+        """logits [N, V] contiguous -> the k largest log-probabilities of each row, in
+        descending order (ties: the lower column first), and their columns."""
+        logits = logits.contiguous()
+        n, v = logits.shape
+        top = torch.empty(n, k, dtype=torch.float32)
+        ids = torch.empty(n, k, dtype=torch.int64)
+        self._log_softmax_topk(logits.data_ptr(), n, v, k, top.data_ptr(), ids.data_ptr())
+        return top, ids
 
 
 def _cpu_signature() -> str:
@@ -198,8 +238,11 @@ class RowsGemm:
     ``pack`` copies a layer's W^T into the panel layout the kernel streams; ``matmul`` runs on
     such a copy. ``matmul_inplace`` reads W^T itself, 16-column panels at its row stride, where
     the output features are a multiple of 16 (no copy, but slower: each step of a panel is a
-    row of W^T away from the last). ``isa`` names the compiled path: "avx512", "avx2" or
-    "scalar". Calls from several Python threads are serialised inside the library.
+    row of W^T away from the last). ``pack_q8`` / ``matmul_q8`` are the same on int8 weights
+    with a float32 scale per output feature (a quarter of the weight bytes to stream; for
+    products that may be approximate, such as a speculator's vocabulary heads). ``isa`` names
+    the compiled path: "avx512", "avx2" or "scalar". Calls from several Python threads are
+    serialised inside the library.
     """
 
     PANEL = 16  # columns per packed panel
@@ -210,6 +253,8 @@ class RowsGemm:
             ("rows_gemm", [_P, _I, _P, _P, _P, _I, _I, _I], ctypes.c_int),
             ("rows_gemm_inplace", [_P, _I, _P, _I, _P, _P, _I, _I, _I], ctypes.c_int),
             ("rows_gemm_pack", [_P, _I, _I, _I, _P], None),
+            ("rows_gemm_q8", [_P, _I, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
+            ("rows_gemm_pack_q8", [_P, _I, _I, _I, _P, _P], None),
             ("rows_gemm_packed_size", [_I, _I], _I),
             ("rows_gemm_set_threads", [ctypes.c_int], None),
             ("rows_gemm_get_threads", [], ctypes.c_int),
@@ -223,6 +268,7 @@ class RowsGemm:
             fn.restype = restype
         self._run = lib.rows_gemm
         self._run_inplace = lib.rows_gemm_inplace
+        self._run_q8 = lib.rows_gemm_q8
         self.isa: str = lib.rows_gemm_isa().decode()
 
     @property
@@ -256,6 +302,20 @@ class RowsGemm:
         self.lib.rows_gemm_pack(wt.data_ptr(), wt.stride(0), k, n, packed.data_ptr())
         return packed
 
+    def pack_q8(self, wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """W^T [in, out] float32 (last dim contiguous) -> (packed int8 [ceil(out/16), in, 16]
+        contiguous, the last panel zero-padded; scales float32 [ceil(out/16) * 16], padding 0).
+        Symmetric per output feature j: scales[j] = max |W^T[:, j]| / 127 (0 for a column of
+        zeros), packed = W^T / scales[j] rounded to nearest (ties to even), in [-127, 127]."""
+        k, n = wt.shape
+        panels = -(-n // self.PANEL)
+        packed = torch.empty((panels, k, self.PANEL), dtype=torch.int8)  # [P, in, 16]
+        scales = torch.empty(panels * self.PANEL, dtype=torch.float32)  # [P * 16]
+        self.lib.rows_gemm_pack_q8(
+            wt.data_ptr(), wt.stride(0), k, n, packed.data_ptr(), scales.data_ptr()
+        )
+        return packed, scales
+
     def pad_bias(self, bias: torch.Tensor) -> torch.Tensor:
         """bias [out] -> [ceil(out/16) * 16], zero-padded, as ``matmul`` reads it."""
         n = bias.shape[0]
@@ -274,6 +334,29 @@ class RowsGemm:
         y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
         rc = self._run(
             x.data_ptr(), x.stride(0), packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("rows_gemm: no memory for a copy of x")
+        return y
+
+    def matmul_q8(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [M, in] float32 (M >= 1) @ (packed * scales)^T -> y [M, n] float32, ``packed``
+        and ``scales`` from ``pack_q8`` (n = out features); plus ``bias`` from ``pad_bias``
+        when given. Sums in float32 in the order of ``matmul``."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
+        rc = self._run_q8(
+            x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(),
             None if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n,
         )  # fmt: skip
         if rc != 0:

@@ -281,3 +281,84 @@ void store_and_attend(const float *q, int64_t q_stride, const float *k, const fl
     free(key_offsets);
     free(scores);
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * The MLP speculator's drafting glue (engine/spec_decode/mlp_speculator.py).
+ * ------------------------------------------------------------------------------------------- */
+
+/* GELU with erf, 0.5 x (1 + erf(x / sqrt 2)), written as 0.5 x (2 - q) for x >= 0 and
+ * 0.5 x q below, q = erfc(|x| / sqrt 2) by Abramowitz and Stegun 7.1.26 (no cancellation for
+ * negative x); within 3e-7 of the exact value. Branch-free, so loops over it vectorise. */
+static inline float gelu_erf(float x) {
+    const float z = fabsf(x) * 0.70710678118654752f;
+    const float t = 1.0f / (1.0f + 0.3275911f * z);
+    float p = 1.061405429f;
+    p = p * t - 1.453152027f;
+    p = p * t + 1.421413741f;
+    p = p * t - 0.284496736f;
+    p = p * t + 0.254829592f;
+    const float q = p * t * exp_poly(-z * z);
+    return 0.5f * x * (x >= 0.0f ? 2.0f - q : q);
+}
+
+/* One speculator stage for groups of sibling tokens that share their parent's projection:
+ * out[g * c + j] = GELU(ln_weight * rms(h) + ln_bias), h = projected[g] + emb_scale *
+ * emb[token_ids[g * c + j]], rms(h) = h * rsqrt(mean(h^2) + eps). projected is [groups, d]
+ * (row stride proj_stride), emb [vocab, d], token_ids [groups * c] (each < vocab),
+ * out [groups * c, d]. */
+void speculator_stage(const float *projected, int64_t proj_stride, const int64_t *token_ids,
+                      int64_t groups, int64_t c, const float *emb, float emb_scale,
+                      const float *ln_weight, const float *ln_bias, float eps, float *out,
+                      int64_t d) {
+    for (int64_t r = 0; r < groups * c; r++) {
+        const float *p = projected + (r / c) * proj_stride, *e = emb + token_ids[r] * d;
+        float *h = out + r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) h[i] = e[i] * emb_scale + p[i];
+        const float inv_rms = 1.0f / sqrtf(dot(h, h, d) / (float)d + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) h[i] = gelu_erf(h[i] * inv_rms * ln_weight[i] + ln_bias[i]);
+    }
+}
+
+#define TOPK_BLOCK 64
+
+/* For each of n rows of logits [n, v]: its k (<= v) largest log-probabilities, logit minus the
+ * row's log-sum-exp, in descending order (ties: the lower column first) into top_logprobs
+ * [n, k], and their columns into top_ids [n, k]. */
+void log_softmax_topk(const float *logits, int64_t n, int64_t v, int64_t k, float *top_logprobs,
+                      int64_t *top_ids) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *x = logits + r * v;
+        float *best = top_logprobs + r * k;
+        int64_t *ids = top_ids + r * k;
+        int64_t filled = 0;
+        for (int64_t j0 = 0; j0 < v; j0 += TOPK_BLOCK) {
+            const int64_t j1 = j0 + TOPK_BLOCK < v ? j0 + TOPK_BLOCK : v;
+            if (filled == k) { /* most blocks hold nothing above the k-th best: one max says so */
+                float block_max = x[j0];
+#pragma omp simd reduction(max : block_max)
+                for (int64_t j = j0; j < j1; j++) block_max = x[j] > block_max ? x[j] : block_max;
+                if (!(block_max > best[k - 1])) continue;
+            }
+            for (int64_t j = j0; j < j1; j++) {
+                const float value = x[j];
+                if (filled == k && !(value > best[k - 1])) continue;
+                int64_t at = filled < k ? filled++ : k - 1;
+                while (at > 0 && value > best[at - 1]) {
+                    best[at] = best[at - 1];
+                    ids[at] = ids[at - 1];
+                    at--;
+                }
+                best[at] = value;
+                ids[at] = j;
+            }
+        }
+        const float max = best[0];
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < v; j++) sum += exp_poly(x[j] - max);
+        const float lse = max + logf(sum);
+        for (int64_t i = 0; i < k; i++) best[i] -= lse;
+    }
+}

@@ -11,6 +11,16 @@
  * chunk of panels one after another, the later groups reading its weights from cache. x is first
  * copied, per group, into [K][rows] so that a tile broadcasts its rows from one stream.
  *
+ * int8 weights ("q8", weight-only, for memory-bound products whose result may be approximate,
+ * such as a draft model's vocabulary head): `rows_gemm_pack_q8` quantises W^T symmetrically per
+ * output column j, scale_j = max_k |W^T[k, j]| / 127 (0 for a column of zeros),
+ * q = round-to-nearest-even(W^T / scale_j) clamped to [-127, 127], into int8 panels of the same
+ * [ceil(N / 16)][K][16] layout (a quarter of the bytes) plus scales[ceil(N / 16) * 16] (padding
+ * 0). `rows_gemm_q8` computes y = x @ (q * scale)^T (+ bias) with the float path's tiles,
+ * threads, row groups and k order: each int8 weight vector is converted to float32 in
+ * registers, and each KBLOCK block's sums are multiplied by the column scales before they are
+ * added to y.
+ *
  * Path, chosen at compile time: AVX-512F when the compiler targets it, else AVX2 with FMA, else
  * portable C (also forced by -DSPECSERVE_SCALAR).
  *
@@ -20,6 +30,7 @@
  * concurrent `rows_gemm` calls from several threads are serialised by a mutex. Worker threads
  * are not inherited by a forked child; the child starts its own on its first call.
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,7 +46,8 @@
 #endif
 
 #define PANEL 16
-/* Weights are prefetched this many k steps (of one 64-byte line per panel) ahead. */
+/* Weights are prefetched this many k steps of float weights ahead (one 64-byte line per panel
+ * and step); q8 weights, a quarter of the bytes per step, the same distance in bytes. */
 #define PREFETCH 32
 /* Each output sums its products in blocks of this many k steps, then adds the blocks in k
  * order: rounding error grows with the block count and size, not with k (as blocked GEMMs). */
@@ -43,21 +55,34 @@
 #define MAX_THREADS 256
 
 /* ---------------------------------------------------------------------------------------------
- * Tiles: MR rows of x times NB panels starting at `w` (panel j, step kk at w + j * ps + kk * wk:
- * ps = k * PANEL, wk = PANEL when packed; ps = PANEL, wk = ldw in place), written to
+ * Tiles: MR rows of x times NB panels starting at `w` (panel j, step kk at w + j * ps + kk * wk
+ * elements: ps = k * PANEL, wk = PANEL when packed; ps = PANEL, wk = ldw in place), written to
  * y[MR][ncols] with row stride ldy, ncols <= NB * PANEL (the rest of the last panel is padding).
  * `bias` is NULL or points at NB * PANEL readable floats (the padded bias).
+ *
+ * Two families come from one TILE_BODY(MR, NB, WLOAD, SCALED): `tile_MR_NB` on float weights
+ * (WLOAD_F32, SCALED 0; `scales` unused) and `tile_q8_MR_NB` on int8 weights (WLOAD_Q8, which
+ * widens them to float32 in registers, SCALED 1: each block's sums times the NB * PANEL floats
+ * at `scales`). In the body `w` is typed (const float * or const int8_t *), so the same pointer
+ * arithmetic addresses either format.
  * ------------------------------------------------------------------------------------------- */
 
-typedef void (*tile_fn)(const float *x, const float *w, int64_t k, int64_t ps, int64_t wk,
-                        const float *bias, float *y, int64_t ldy, int64_t ncols);
+typedef void (*tile_fn)(const float *x, const void *w, const float *scales, int64_t k, int64_t ps,
+                        int64_t wk, const float *bias, float *y, int64_t ldy, int64_t ncols);
+
+/* The prefetch distance in k steps for weights of `w`'s element type: PREFETCH * 64 bytes. */
+#define PF_STEPS(w) ((int64_t)(PREFETCH * sizeof(float) / sizeof(*(w))))
 
 #if defined(ROWS_AVX512)
 #define ISA_NAME "avx512"
 #define MR_MAX 16
 #define GROUP_ROWS 8 /* default rows per pass over the weights (rows_gemm_set_group_rows) */
 
-#define TILE_BODY(MR, NB) \
+/* 16 weights at p as float32. */
+#define WLOAD_F32(p) _mm512_loadu_ps(p)
+#define WLOAD_Q8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+
+#define TILE_BODY(MR, NB, WLOAD, SCALED) \
     int64_t k0 = 0; \
     do { \
         const int64_t k1 = k - k0 < KBLOCK ? k : k0 + KBLOCK; \
@@ -71,8 +96,8 @@ _Pragma("GCC unroll 8") \
             __m512 wv[NB]; \
 _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
-                wv[j] = _mm512_loadu_ps(w + j * ps + kk * wk); \
-                _mm_prefetch((const char *)(w + j * ps + (kk + PREFETCH) * wk), _MM_HINT_T0); \
+                wv[j] = WLOAD(w + j * ps + kk * wk); \
+                _mm_prefetch((const char *)(w + j * ps + (kk + PF_STEPS(w)) * wk), _MM_HINT_T0); \
             } \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
@@ -89,10 +114,12 @@ _Pragma("GCC unroll 8") \
                 left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); \
             const __m512 b = bias && k1 == k ? _mm512_loadu_ps(bias + j * PANEL) \
                                              : _mm512_setzero_ps(); \
+            const __m512 s = SCALED ? _mm512_loadu_ps(scales + j * PANEL) : _mm512_setzero_ps(); \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
                 float *dst = y + i * ldy + j * PANEL; \
                 __m512 v = acc[i][j]; \
+                if (SCALED) v = _mm512_mul_ps(v, s); \
                 if (k0) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), v); \
                 _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(v, b)); \
             } \
@@ -122,7 +149,11 @@ static inline __attribute__((always_inline)) void store8(float *dst, __m256 v, i
     }
 }
 
-#define TILE_BODY(MR, NB) \
+/* 8 weights at p as float32. */
+#define WLOAD_F32(p) _mm256_loadu_ps(p)
+#define WLOAD_Q8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+
+#define TILE_BODY(MR, NB, WLOAD, SCALED) \
     int64_t k0 = 0; \
     do { \
         const int64_t k1 = k - k0 < KBLOCK ? k : k0 + KBLOCK; \
@@ -136,9 +167,9 @@ _Pragma("GCC unroll 8") \
             __m256 wl[NB], wh[NB]; \
 _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
-                wl[j] = _mm256_loadu_ps(w + j * ps + kk * wk); \
-                wh[j] = _mm256_loadu_ps(w + j * ps + kk * wk + 8); \
-                _mm_prefetch((const char *)(w + j * ps + (kk + PREFETCH) * wk), _MM_HINT_T0); \
+                wl[j] = WLOAD(w + j * ps + kk * wk); \
+                wh[j] = WLOAD(w + j * ps + kk * wk + 8); \
+                _mm_prefetch((const char *)(w + j * ps + (kk + PF_STEPS(w)) * wk), _MM_HINT_T0); \
             } \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
@@ -157,10 +188,17 @@ _Pragma("GCC unroll 8") \
             const int last = k1 == k && bias; \
             const __m256 bl = last ? _mm256_loadu_ps(bias + j * PANEL) : _mm256_setzero_ps(); \
             const __m256 bh = last ? _mm256_loadu_ps(bias + j * PANEL + 8) : _mm256_setzero_ps(); \
+            const __m256 sl = SCALED ? _mm256_loadu_ps(scales + j * PANEL) : _mm256_setzero_ps(); \
+            const __m256 sh = \
+                SCALED ? _mm256_loadu_ps(scales + j * PANEL + 8) : _mm256_setzero_ps(); \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
                 float *dst = y + i * ldy + j * PANEL; \
                 __m256 vl = lo[i][j], vh = hi[i][j]; \
+                if (SCALED) { \
+                    vl = _mm256_mul_ps(vl, sl); \
+                    vh = _mm256_mul_ps(vh, sh); \
+                } \
                 if (k0) { \
                     vl = _mm256_add_ps(load8(dst, left), vl); \
                     vh = _mm256_add_ps(load8(dst + 8, left - 8), vh); \
@@ -177,12 +215,16 @@ _Pragma("GCC unroll 16") \
 #define MR_MAX 4
 #define GROUP_ROWS 4
 
-#define TILE_BODY(MR, NB) \
+/* One weight at p as float32. */
+#define WLOAD_F32(p) (*(p))
+#define WLOAD_Q8(p) ((float)*(p))
+
+#define TILE_BODY(MR, NB, WLOAD, SCALED) \
     for (int j = 0; j < NB; j++) { \
         const int64_t left = ncols - j * PANEL; \
         if (left <= 0) break; \
         const int64_t cols = left < PANEL ? left : PANEL; \
-        const float *wp = w + j * ps; \
+        const __typeof__(w) wp = w + j * ps; \
         int64_t k0 = 0; \
         do { \
             const int64_t k1 = k - k0 < KBLOCK ? k : k0 + KBLOCK; \
@@ -191,12 +233,13 @@ _Pragma("GCC unroll 16") \
             for (int64_t kk = k0; kk < k1; kk++) { \
                 for (int i = 0; i < MR; i++) { \
                     const float xv = x[kk * MR + i]; \
-                    for (int c = 0; c < PANEL; c++) acc[i][c] += xv * wp[kk * wk + c]; \
+                    for (int c = 0; c < PANEL; c++) acc[i][c] += xv * WLOAD(wp + kk * wk + c); \
                 } \
             } \
             for (int i = 0; i < MR; i++) { \
                 for (int64_t c = 0; c < cols; c++) { \
                     float v = acc[i][c]; \
+                    if (SCALED) v *= scales[j * PANEL + c]; \
                     if (k0) v = y[i * ldy + j * PANEL + c] + v; \
                     if (k1 == k && bias) v += bias[j * PANEL + c]; \
                     y[i * ldy + j * PANEL + c] = v; \
@@ -207,40 +250,53 @@ _Pragma("GCC unroll 16") \
     }
 #endif
 
-#define TILE(MR_, NB_)                                                                         \
-    static void tile_##MR_##_##NB_(const float *x, const float *w, int64_t k, int64_t ps,      \
-                                   int64_t wk, const float *bias, float *y, int64_t ldy,       \
-                                   int64_t ncols) {                                            \
-        enum { MR = MR_, NB = NB_ };                                                           \
-        TILE_BODY(MR, NB)                                                                      \
+#define TILE(NAME, WTYPE, WLOAD, SCALED, MR_, NB_)                                               \
+    static void NAME##_##MR_##_##NB_(const float *x, const void *wv, const float *scales,        \
+                                     int64_t k, int64_t ps, int64_t wk, const float *bias,       \
+                                     float *y, int64_t ldy, int64_t ncols) {                     \
+        enum { MR = MR_, NB = NB_ };                                                             \
+        const WTYPE *w = (const WTYPE *)wv;                                                      \
+        (void)scales;                                                                            \
+        TILE_BODY(MR, NB, WLOAD, SCALED)                                                         \
     }
+#define TILE_F32(MR, NB) TILE(tile, float, WLOAD_F32, 0, MR, NB)
+#define TILE_Q8(MR, NB) TILE(tile_q8, int8_t, WLOAD_Q8, 1, MR, NB)
 
-/* Panels per tile for each row count: as many accumulators as the registers hold. */
+/* Panels per tile for each row count: as many accumulators as the registers hold. TILES lists
+ * the tiles (MR, NB) to generate; TILE_NB and the tables TILE_MAIN (MR rows, TILE_NB[MR]
+ * panels) and TILE_ONE (MR rows, one panel: a chunk's remainder) are indexed by the weight
+ * format (FMT_F32, FMT_Q8), then MR. */
 #if defined(ROWS_AVX512)
-TILE(1, 4) TILE(2, 8) TILE(3, 6) TILE(4, 6) TILE(5, 4) TILE(6, 4) TILE(7, 3) TILE(8, 3)
-TILE(9, 2) TILE(10, 2) TILE(11, 2) TILE(12, 2) TILE(13, 2) TILE(14, 1) TILE(15, 1) TILE(16, 1)
-TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1) TILE(7, 1) TILE(8, 1)
-TILE(9, 1) TILE(10, 1) TILE(11, 1) TILE(12, 1) TILE(13, 1)
+#define TILES(T)                                                                                   \
+    T(1, 4) T(2, 8) T(3, 6) T(4, 6) T(5, 4) T(6, 4) T(7, 3) T(8, 3) T(9, 2) T(10, 2) T(11, 2)      \
+    T(12, 2) T(13, 2) T(14, 1) T(15, 1) T(16, 1) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1)   \
+    T(7, 1) T(8, 1) T(9, 1) T(10, 1) T(11, 1) T(12, 1) T(13, 1)
 static const int TILE_NB[MR_MAX + 1] = {0, 4, 8, 6, 6, 4, 4, 3, 3, 2, 2, 2, 2, 2, 1, 1, 1};
-static const tile_fn TILE_MAIN[MR_MAX + 1] = {
-    0, tile_1_4, tile_2_8, tile_3_6, tile_4_6, tile_5_4, tile_6_4, tile_7_3, tile_8_3,
-    tile_9_2, tile_10_2, tile_11_2, tile_12_2, tile_13_2, tile_14_1, tile_15_1, tile_16_1};
-static const tile_fn TILE_ONE[MR_MAX + 1] = {
-    0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1, tile_7_1, tile_8_1,
-    tile_9_1, tile_10_1, tile_11_1, tile_12_1, tile_13_1, tile_14_1, tile_15_1, tile_16_1};
+#define MAIN_TABLE(P)                                                                              \
+    {0, P##_1_4, P##_2_8, P##_3_6, P##_4_6, P##_5_4, P##_6_4, P##_7_3, P##_8_3, P##_9_2,           \
+     P##_10_2, P##_11_2, P##_12_2, P##_13_2, P##_14_1, P##_15_1, P##_16_1}
+#define ONE_TABLE(P)                                                                               \
+    {0, P##_1_1, P##_2_1, P##_3_1, P##_4_1, P##_5_1, P##_6_1, P##_7_1, P##_8_1, P##_9_1,           \
+     P##_10_1, P##_11_1, P##_12_1, P##_13_1, P##_14_1, P##_15_1, P##_16_1}
 #elif defined(ROWS_AVX2)
-TILE(1, 4) TILE(2, 2) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1) TILE(1, 1) TILE(2, 1)
+#define TILES(T) T(1, 4) T(2, 2) T(3, 1) T(4, 1) T(5, 1) T(6, 1) T(1, 1) T(2, 1)
 static const int TILE_NB[MR_MAX + 1] = {0, 4, 2, 1, 1, 1, 1};
-static const tile_fn TILE_MAIN[MR_MAX + 1] = {0,        tile_1_4, tile_2_2, tile_3_1,
-                                              tile_4_1, tile_5_1, tile_6_1};
-static const tile_fn TILE_ONE[MR_MAX + 1] = {0,        tile_1_1, tile_2_1, tile_3_1,
-                                             tile_4_1, tile_5_1, tile_6_1};
+#define MAIN_TABLE(P) {0, P##_1_4, P##_2_2, P##_3_1, P##_4_1, P##_5_1, P##_6_1}
+#define ONE_TABLE(P) {0, P##_1_1, P##_2_1, P##_3_1, P##_4_1, P##_5_1, P##_6_1}
 #else
-TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
+#define TILES(T) T(1, 1) T(2, 1) T(3, 1) T(4, 1)
 static const int TILE_NB[MR_MAX + 1] = {0, 1, 1, 1, 1};
-static const tile_fn TILE_MAIN[MR_MAX + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1};
-static const tile_fn TILE_ONE[MR_MAX + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1};
+#define MAIN_TABLE(P) {0, P##_1_1, P##_2_1, P##_3_1, P##_4_1}
+#define ONE_TABLE(P) MAIN_TABLE(P)
 #endif
+
+TILES(TILE_F32)
+TILES(TILE_Q8)
+
+enum { FMT_F32, FMT_Q8 }; /* weight formats: float32, int8 with per-column scales */
+static const int64_t FMT_BYTES[2] = {sizeof(float), sizeof(int8_t)}; /* bytes per weight */
+static const tile_fn TILE_MAIN[2][MR_MAX + 1] = {MAIN_TABLE(tile), MAIN_TABLE(tile_q8)};
+static const tile_fn TILE_ONE[2][MR_MAX + 1] = {ONE_TABLE(tile), ONE_TABLE(tile_q8)};
 
 /* ---------------------------------------------------------------------------------------------
  * One call's work, cut into chunks of panels.
@@ -248,8 +304,10 @@ static const tile_fn TILE_ONE[MR_MAX + 1] = {0, tile_1_1, tile_2_1, tile_3_1, ti
 
 typedef struct {
     const float *x; /* x regrouped: groups of `group` rows (the last may be smaller), each [k][rows] */
-    const float *w;
-    int64_t ps, wk;  /* panel j, step kk at w + j * ps + kk * wk */
+    const void *w;  /* weights: float (FMT_F32) or int8_t (FMT_Q8) */
+    const float *scales; /* FMT_Q8: per-column scales, padded to whole panels; else NULL */
+    int64_t fmt;    /* FMT_F32 or FMT_Q8 */
+    int64_t ps, wk; /* panel j, step kk at weight element j * ps + kk * wk */
     const float *bias;
     float *y;
     int64_t m, k, n;
@@ -264,6 +322,8 @@ static void run_chunk(const job_t *job, int64_t c) {
     const int64_t p0 = c * npanels / job->nchunks;
     const int64_t p1 = (c + 1) * npanels / job->nchunks;
     const int64_t k = job->k;
+    const tile_fn *tile_main = TILE_MAIN[job->fmt], *tile_one = TILE_ONE[job->fmt];
+    const int64_t panel_bytes = job->ps * FMT_BYTES[job->fmt];
     for (int64_t r = 0; r < job->m; r += job->group) {
         const int mr = (int)(job->m - r < job->group ? job->m - r : job->group);
         const int nb = TILE_NB[mr];
@@ -272,13 +332,17 @@ static void run_chunk(const job_t *job, int64_t c) {
         int64_t p = p0;
         for (; p + nb <= p1; p += nb) {
             const int64_t cols = job->n - p * PANEL;
-            TILE_MAIN[mr](x, job->w + p * job->ps, k, job->ps, job->wk, job->bias ? job->bias + p * PANEL : 0,
-                          y + p * PANEL, job->n, cols < nb * PANEL ? cols : nb * PANEL);
+            tile_main[mr](x, (const char *)job->w + p * panel_bytes,
+                          job->scales ? job->scales + p * PANEL : 0, k, job->ps, job->wk,
+                          job->bias ? job->bias + p * PANEL : 0, y + p * PANEL, job->n,
+                          cols < nb * PANEL ? cols : nb * PANEL);
         }
         for (; p < p1; p++) {
             const int64_t cols = job->n - p * PANEL;
-            TILE_ONE[mr](x, job->w + p * job->ps, k, job->ps, job->wk, job->bias ? job->bias + p * PANEL : 0,
-                         y + p * PANEL, job->n, cols < PANEL ? cols : PANEL);
+            tile_one[mr](x, (const char *)job->w + p * panel_bytes,
+                         job->scales ? job->scales + p * PANEL : 0, k, job->ps, job->wk,
+                         job->bias ? job->bias + p * PANEL : 0, y + p * PANEL, job->n,
+                         cols < PANEL ? cols : PANEL);
         }
     }
 }
@@ -365,6 +429,8 @@ static void *worker_main(void *arg) {
         job_t job;
         job.x = __atomic_load_n(&pool.job.x, __ATOMIC_RELAXED);
         job.w = __atomic_load_n(&pool.job.w, __ATOMIC_RELAXED);
+        job.scales = __atomic_load_n(&pool.job.scales, __ATOMIC_RELAXED);
+        job.fmt = RELAXED(pool.job.fmt);
         job.ps = RELAXED(pool.job.ps);
         job.wk = RELAXED(pool.job.wk);
         job.bias = __atomic_load_n(&pool.job.bias, __ATOMIC_RELAXED);
@@ -415,7 +481,7 @@ static int ensure_workers(int threads) {
 /* The compiled path: "avx512", "avx2" or "scalar". */
 const char *rows_gemm_isa(void) { return ISA_NAME; }
 
-/* Floats of the packed layout of a [k, n] weight. */
+/* Elements of the packed layout of a [k, n] weight (floats; int8 values for q8). */
 int64_t rows_gemm_packed_size(int64_t k, int64_t n) { return (n + PANEL - 1) / PANEL * PANEL * k; }
 
 /* W^T [k, n] (row stride ldw) -> packed [ceil(n / 16)][k][16], the last panel zero-padded. */
@@ -428,6 +494,39 @@ void rows_gemm_pack(const float *wt, int64_t ldw, int64_t k, int64_t n, float *p
         for (int64_t kk = 0; kk < k; kk++) {
             memcpy(dst + kk * PANEL, wt + kk * ldw + c0, (size_t)cols * sizeof(float));
             if (cols < PANEL) memset(dst + kk * PANEL + cols, 0, (PANEL - cols) * sizeof(float));
+        }
+    }
+}
+
+/* W^T [k, n] (row stride ldw) -> int8 panels packed [ceil(n / 16)][k][16] (the last panel
+ * zero-padded) and scales[ceil(n / 16) * 16] (padding 0): per column j, scale_j =
+ * max_k |W^T[k, j]| / 127 and q = W^T / scale_j rounded to nearest (ties to even), clamped to
+ * [-127, 127]; a column of zeros gets scale 0 and q = 0. */
+void rows_gemm_pack_q8(const float *wt, int64_t ldw, int64_t k, int64_t n, int8_t *packed,
+                       float *scales) {
+    const int64_t npanels = (n + PANEL - 1) / PANEL;
+    for (int64_t p = 0; p < npanels; p++) {
+        const int64_t c0 = p * PANEL;
+        const int64_t cols = n - c0 < PANEL ? n - c0 : PANEL;
+        float amax[PANEL] = {0};
+        for (int64_t kk = 0; kk < k; kk++) {
+            for (int64_t c = 0; c < cols; c++) {
+                const float a = fabsf(wt[kk * ldw + c0 + c]);
+                amax[c] = a > amax[c] ? a : amax[c];
+            }
+        }
+        float *s = scales + c0;
+        for (int64_t c = 0; c < PANEL; c++) s[c] = c < cols ? amax[c] / 127.0f : 0.0f;
+        int8_t *dst = packed + p * k * PANEL;
+        for (int64_t kk = 0; kk < k; kk++) {
+            for (int64_t c = 0; c < PANEL; c++) {
+                float q = 0.0f;
+                if (c < cols && s[c] != 0.0f) {
+                    q = nearbyintf(wt[kk * ldw + c0 + c] / s[c]);
+                    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+                }
+                dst[kk * PANEL + c] = (int8_t)q;
+            }
         }
     }
 }
@@ -479,9 +578,11 @@ static const float *regroup(const float *x, int64_t ldx, int64_t m, int64_t k, i
     return buf;
 }
 
-/* y [m, n] = x [m, k] @ W^T on weights laid out as panels (see the tiles). */
-static int run(const float *x, int64_t ldx, const float *w, int64_t ps, int64_t wk,
-               const float *bias, float *y, int64_t m, int64_t k, int64_t n) {
+/* y [m, n] = x [m, k] @ W^T on weights laid out as panels (see the tiles), of format `fmt`
+ * (FMT_Q8: int8 with per-column `scales`). */
+static int run(const float *x, int64_t ldx, const void *w, const float *scales, int64_t fmt,
+               int64_t ps, int64_t wk, const float *bias, float *y, int64_t m, int64_t k,
+               int64_t n) {
     if (m <= 0 || n <= 0) return 0;
     const int64_t npanels = (n + PANEL - 1) / PANEL;
     const int threads = RELAXED(pool.threads);
@@ -489,11 +590,12 @@ static int run(const float *x, int64_t ldx, const float *w, int64_t ps, int64_t 
     const int64_t gmax = RELAXED(pool.group_rows);
     const int64_t group = (m + (m + gmax - 1) / gmax - 1) / ((m + gmax - 1) / gmax);
     /* About chunk_bytes of weights per chunk, a multiple of `threads` chunks, <= npanels. */
-    const int64_t bytes = npanels * k * PANEL * (int64_t)sizeof(float);
+    const int64_t bytes = npanels * k * PANEL * FMT_BYTES[fmt];
     int64_t nchunks = (bytes + RELAXED(pool.chunk_bytes) - 1) / RELAXED(pool.chunk_bytes);
     nchunks = (nchunks + threads - 1) / threads * threads;
     if (nchunks > npanels) nchunks = npanels;
-    job_t job = {regroup(x, ldx, m, k, group), w, ps, wk, bias, y, m, k, n, group, nchunks};
+    job_t job = {regroup(x, ldx, m, k, group), w, scales, fmt, ps, wk, bias, y, m, k, n, group,
+                 nchunks};
     if (!job.x && k > 0) return -1;
     if (threads <= 1 || job.nchunks <= 1) {
         for (int64_t c = 0; c < job.nchunks; c++) run_chunk(&job, c);
@@ -510,6 +612,8 @@ static int run(const float *x, int64_t ldx, const float *w, int64_t ps, int64_t 
     __atomic_thread_fence(__ATOMIC_RELEASE);
     __atomic_store_n(&pool.job.x, job.x, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.w, job.w, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.scales, job.scales, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.fmt, job.fmt, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.ps, job.ps, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.wk, job.wk, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.bias, job.bias, __ATOMIC_RELAXED);
@@ -540,7 +644,7 @@ static int run(const float *x, int64_t ldx, const float *w, int64_t ps, int64_t 
  * untouched) if memory for a copy of x could not be allocated. */
 int rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
               int64_t m, int64_t k, int64_t n) {
-    return run(x, ldx, packed, k * PANEL, PANEL, bias, y, m, k, n);
+    return run(x, ldx, packed, 0, FMT_F32, k * PANEL, PANEL, bias, y, m, k, n);
 }
 
 /* The same on W^T [k, n] read in place (row stride ldw): n must be a multiple of 16, and bias,
@@ -549,5 +653,12 @@ int rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bia
 int rows_gemm_inplace(const float *x, int64_t ldx, const float *wt, int64_t ldw, const float *bias,
                       float *y, int64_t m, int64_t k, int64_t n) {
     if (n % PANEL != 0) return -2;
-    return run(x, ldx, wt, PANEL, ldw, bias, y, m, k, n);
+    return run(x, ldx, wt, 0, FMT_F32, PANEL, ldw, bias, y, m, k, n);
+}
+
+/* y [m, n] (contiguous) = x [m, k] (row stride ldx) @ (q * scale)^T, q and scales packed by
+ * rows_gemm_pack_q8; + bias as rows_gemm. Returns 0, or -1 (y untouched) as rows_gemm. */
+int rows_gemm_q8(const float *x, int64_t ldx, const int8_t *packed, const float *scales,
+                 const float *bias, float *y, int64_t m, int64_t k, int64_t n) {
+    return run(x, ldx, packed, scales, FMT_Q8, k * PANEL, PANEL, bias, y, m, k, n);
 }

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import CANDIDATE_SELECTIONS
+from engine.kernels.cpu import CpuKernels, load_cpu_kernels
 from engine.spec_decode.candidates import coverage_picks, tree_shape
 
 MODEL_TYPE = "mlp_speculator"
@@ -147,6 +148,14 @@ class SpeculatorNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * _rms_normalize(x) + self.bias
+
+
+def _fused_kernels(state: torch.Tensor) -> CpuKernels | None:
+    """The fused C kernels of a stage and of a head's top k, for float32 on a CPU (where each
+    replaces a dozen ATen ops on tensors of a few rows); None elsewhere."""
+    if state.device.type != "cpu" or state.dtype != torch.float32:
+        return None
+    return load_cpu_kernels()
 
 
 def _rms_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -305,11 +314,20 @@ class MLPSpeculator(nn.Module):
         parents = self.initial_state(state)  # [B * G, d]
         tokens = token_ids.view(batch, 1)  # [B * G, c]
         levels: list[torch.Tensor] = []  # per head: [B * F, k] log-probabilities, then ids
+        fused = _fused_kernels(state)
         for i, k in enumerate(top_k_tokens_per_head):
-            projected = self.proj[i](parents).unsqueeze(1)  # [B * G, 1, d]
-            parents = self._draft_stage(i, projected, tokens)  # [B * F, d]
-            logprobs = self.head[i](parents).float().log_softmax(-1)  # [B * F, vocab or V']
-            top_logprobs, tokens = logprobs.topk(k, dim=-1)  # [B * F, k] each
+            projected = self.proj[i](parents)  # [B * G, d]
+            if fused is not None:
+                norm = cast(SpeculatorNorm, self.ln[i])
+                emb = cast(nn.Embedding, self.emb[i]).weight
+                parents = fused.speculator_stage(
+                    projected, tokens, emb, self.emb_scale, norm.weight, norm.bias, _EPS
+                )  # [B * F, d]
+                top_logprobs, tokens = fused.log_softmax_topk(self.head[i](parents), k)
+            else:
+                parents = self._draft_stage(i, projected.unsqueeze(1), tokens)  # [B * F, d]
+                logprobs = self.head[i](parents).float().log_softmax(-1)  # [B * F, vocab or V']
+                top_logprobs, tokens = logprobs.topk(k, dim=-1)  # [B * F, k] each
             if self.draft_vocabulary is not None:
                 tokens = self.draft_vocabulary[tokens]
             levels += [top_logprobs, tokens]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.kernels.autotune import select_kernels
-from engine.kernels.cpu import load_rows_gemm
+from engine.kernels.cpu import RowsGemm, load_rows_gemm
 from engine.kernels.matmul import ROWS_MAX
 from engine.layers.linear import Linear
 from engine.spec_decode.mlp_speculator import MLPSpeculator, check_selection, check_tree_shape
@@ -63,28 +63,60 @@ class _FlatLinear(nn.Module):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+class Int8Head(nn.Module):
+    """A vocabulary head streamed as int8 weights with one float32 scale per output token (the
+    "rows" kernel's q8 format, `RowsGemm.pack_q8`): a quarter of float32's bytes, for drafting
+    on a CPU, where reading the heads dominates. Sums are float32. Quantising a head can change
+    which tokens are drafted, never which are emitted: the base model verifies every draft."""
+
+    def __init__(self, weight: torch.Tensor, lib: RowsGemm) -> None:  # weight [out, in] float32
+        super().__init__()
+        self.lib = lib
+        self.out_features = weight.shape[0]
+        # [ceil(out / 16), in, 16] int8, [ceil(out / 16) * 16] float32
+        self.packed, self.scales = lib.pack_q8(weight.detach().t().contiguous())
+
+    def dequantized(self) -> torch.Tensor:  # [out, in] float32
+        """The weight this head multiplies by: int8 values times their token's scale."""
+        rows = self.packed.permute(0, 2, 1).flatten(0, 1).float()  # [ceil(out / 16) * 16, in]
+        return (rows * self.scales[:, None])[: self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1])  # [N, in]
+        y = self.lib.matmul_q8(rows, self.packed, self.scales, self.out_features)  # [N, out]
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def use_engine_linears(speculator: MLPSpeculator) -> None:
-    """Swap the speculator's `nn.Linear`s (each shared one once) for the engine's Linear: on a CPU
-    its heads are vocabulary-sized, and drafting reads each of them at one to a few dozen rows.
-    On a CPU they keep the default plan (the "rows" kernel up to `ROWS_MAX` rows, streaming
-    weights that the base model's pass has just pushed out of the caches, on its own threads
-    while `single_threaded_glue` holds torch to one); without rows_gemm.c, selection by timing
-    chooses their kernels as it does the base model's."""
-    swapped: dict[int, _FlatLinear] = {}
+    """Swap the speculator's `nn.Linear`s (each shared one once) for the engine's kernels: on a
+    CPU its heads are vocabulary-sized, and drafting reads each of them at one to a few dozen
+    rows, streaming weights that the base model's pass has just pushed out of the caches. With
+    rows_gemm.c on a CPU in float32, the heads become `Int8Head`s and the projections keep the
+    engine Linear's default plan (the "rows" kernel up to `ROWS_MAX` rows, on its own threads
+    while `single_threaded_glue` holds torch to one); without it, selection by timing chooses
+    the kernels of float32 heads and projections as it does the base model's."""
+    param = next(speculator.parameters())
+    lib = load_rows_gemm() if param.device.type == "cpu" else None
+    swapped: dict[int, nn.Module] = {}
     for stages in (speculator.proj, speculator.head):
         for i, layer in enumerate(stages):
             if not isinstance(layer, nn.Linear):
                 continue
             if id(layer) not in swapped:
                 weight = layer.weight.detach()
-                fast = Linear(
-                    layer.in_features, layer.out_features, dtype=weight.dtype, device=weight.device
-                )
-                fast.load_rows(0, weight)
-                swapped[id(layer)] = _FlatLinear(fast)
+                if stages is speculator.head and lib is not None and weight.dtype == torch.float32:
+                    swapped[id(layer)] = Int8Head(weight, lib)
+                else:
+                    fast = Linear(
+                        layer.in_features, layer.out_features, dtype=weight.dtype,
+                        device=weight.device,
+                    )  # fmt: skip
+                    fast.load_rows(0, weight)
+                    swapped[id(layer)] = _FlatLinear(fast)
             stages[i] = swapped[id(layer)]
-    if next(speculator.parameters()).device.type == "cpu" and load_rows_gemm() is None:
-        select_kernels([flat.linear for flat in swapped.values()], m_values=(1, 2, 4, 8, 16, 32))
+    if param.device.type == "cpu" and lib is None:
+        linears = [m.linear for m in swapped.values() if isinstance(m, _FlatLinear)]
+        select_kernels(linears, m_values=(1, 2, 4, 8, 16, 32))
 
 
 @contextmanager

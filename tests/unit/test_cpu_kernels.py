@@ -77,3 +77,44 @@ def test_rope_in_place_matches_rotate(kernels: CpuKernels, scaling: dict | None)
     assert torch.equal(x[:, heads * head_dim :], tail)
     # The rotation preserves each head's norm (a check independent of `rotate`).
     assert math.isclose(rotated.norm().item(), expected.norm().item(), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize(("groups", "siblings", "width"), [(1, 1, 576), (5, 3, 576), (3, 2, 37)])
+def test_speculator_stage_matches_the_float64_stage(
+    kernels: CpuKernels, groups: int, siblings: int, width: int
+) -> None:
+    g = torch.Generator().manual_seed(groups * siblings * width)
+    emb = torch.randn(50, width, generator=g)
+    wide = torch.randn(groups, width + 3, generator=g) * 2
+    projected = wide[:, :width]  # a row stride other than the width
+    token_ids = torch.randint(0, 50, (groups, siblings), generator=g)
+    ln_weight, ln_bias = torch.randn(width, generator=g), torch.randn(width, generator=g)
+    out = kernels.speculator_stage(projected, token_ids, emb, 1.7, ln_weight, ln_bias, 1e-6)
+    h = emb.double()[token_ids] * 1.7 + projected.double()[:, None]  # [G, c, d]
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * ln_weight.double()
+    expected = F.gelu(h + ln_bias.double()).flatten(0, 1)  # erf's GELU
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=5e-7)
+
+
+def test_gelu_of_the_stage_over_the_whole_float_range(kernels: CpuKernels) -> None:
+    x = torch.cat([torch.linspace(-30, 30, 6001), torch.tensor([0.0, -1e-30, 1e-30, 1e4, -1e4])])
+    width = x.numel()
+    # one token whose embedding is x, no projection, and a norm that undoes itself
+    rms = float(x.double().pow(2).mean().sqrt())
+    out = kernels.speculator_stage(
+        torch.zeros(1, width), torch.zeros(1, 1, dtype=torch.int64), x[None].clone(), 1.0,
+        torch.full((width,), rms), torch.zeros(width), 0.0,
+    )[0]  # fmt: skip
+    torch.testing.assert_close(out.double(), F.gelu(x.double()), rtol=1e-5, atol=3e-7)
+
+
+@pytest.mark.parametrize(("rows", "vocab", "k"), [(1, 4096, 5), (15, 4096, 2), (4, 100, 7)])
+def test_log_softmax_topk_matches_aten(kernels: CpuKernels, rows: int, vocab: int, k: int) -> None:
+    g = torch.Generator().manual_seed(rows * vocab + k)
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[0, 10] = logits[0, 90] = logits[0].max() + 1  # a tie at the top: lower column first
+    top, ids = kernels.log_softmax_topk(logits, k)
+    ref_top, _ = logits.double().log_softmax(-1).topk(k, dim=-1)
+    torch.testing.assert_close(top.double(), ref_top, rtol=0, atol=2e-6)
+    assert ids[0, :2].tolist() == [10, 90]
+    assert torch.equal(logits.gather(1, ids), logits.topk(k, dim=-1).values)

@@ -5,7 +5,9 @@ Oracle: `_reference_candidates` walks the top-k tree one node at a time in float
 recurrence in mlp_speculator.py's docstring (`s_{i+1} = GELU(ln_i(proj_i(s_i) + (alpha / beta) *
 emb_i(tok_i)))`, `logits_i = head_i(s_{i+1})`), and picks candidates by the rules the
 `draft_candidates` and `coverage_picks` docstrings state, with none of the module's
-batching, shared projections or host-side bookkeeping.
+batching, shared projections or host-side bookkeeping. Every test runs twice: on float32 CPU
+tensors drafting uses the fused C kernels of a stage and of a head's top k; with those turned
+off it runs the ATen ops that other devices use.
 """
 
 from __future__ import annotations
@@ -19,13 +21,30 @@ import pytest
 import torch
 from torch import nn
 
+from engine.kernels.cpu import load_rows_gemm
+from engine.spec_decode import mlp_speculator
 from engine.spec_decode.candidates import coverage_picks
 from engine.spec_decode.mlp_speculator import MLPSpeculator
-from engine.spec_decode.proposer import MLPProposer, ProposalInput, use_engine_linears
+from engine.spec_decode.proposer import (
+    Int8Head,
+    MLPProposer,
+    ProposalInput,
+    use_engine_linears,
+)
 from engine.spec_decode.tree import DraftTree
 from tests.reference import random_speculator
 
 VOCAB, EMB_DIM, INNER_DIM = 120, 24, 16
+
+
+@pytest.fixture(autouse=True, params=["fused", "aten"])
+def drafting_ops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which ops draft on the CPU: the fused C kernels, or the ATen ops of other devices."""
+    if request.param == "aten":
+        monkeypatch.setattr(mlp_speculator, "_fused_kernels", lambda state: None)
+    else:
+        assert mlp_speculator._fused_kernels(torch.zeros(1)) is not None
+    return str(request.param)
 
 
 def _param(module: nn.Module, name: str = "weight") -> torch.Tensor:
@@ -36,6 +55,20 @@ def _speculator(
     n_predict: int = 3, tie: bool = False, scale: bool = False, seed: int = 0
 ) -> MLPSpeculator:
     return random_speculator(VOCAB, n_predict, tie, scale, seed, EMB_DIM, INNER_DIM)
+
+
+@torch.no_grad()
+def _as_drafted(
+    reference: MLPSpeculator, model: MLPSpeculator, vocab: torch.Tensor | None = None
+) -> MLPSpeculator:
+    """`reference` with the head weights `model` multiplies by: its `Int8Head`s dequantised
+    (rows `vocab` of the full heads where `model` drafts from that subset)."""
+    drafted = copy.deepcopy(reference)
+    for i, head in enumerate(model.head):
+        if isinstance(head, Int8Head):
+            target = _param(drafted.head[i])
+            target[slice(None) if vocab is None else vocab] = head.dequantized()
+    return drafted
 
 
 @torch.no_grad()
@@ -139,6 +172,8 @@ def test_candidates_match_the_per_node_reference(
         model.restrict_vocabulary(vocab)
     if engine_linears:
         use_engine_linears(model)
+        assert all(isinstance(head, Int8Head) for head in model.head)
+        reference = _as_drafted(reference, model, vocab)
     generator = torch.Generator().manual_seed(5)
     for batch in (1, 3):
         states = 2 * torch.randn(batch, EMB_DIM, generator=generator)
@@ -208,6 +243,7 @@ def test_coverage_picks_match_the_reference() -> None:
 def test_the_proposer_drafts_the_candidates_as_trees() -> None:
     reference = _speculator(scale=True, seed=12)
     proposer = MLPProposer(copy.deepcopy(reference), (4, 2, 2), 5)
+    reference = _as_drafted(reference, proposer.speculator)
     states = torch.randn(3, EMB_DIM, generator=torch.Generator().manual_seed(13))
     inputs = [
         ProposalInput(f"r{b}", [1, 2, 10 * b + 3], states[b], max_depth)
@@ -218,3 +254,21 @@ def test_the_proposer_drafts_the_candidates_as_trees() -> None:
         levels = _reference_tree(reference, p.hidden_state, p.token_ids[-1], (4, 2, 2), None)
         expected = [path for path, _ in _reference_candidates(levels, 5, "coverage")]
         assert tree == DraftTree.from_paths(expected, p.max_depth)
+
+
+def test_int8_heads_round_each_weight_to_its_tokens_scale() -> None:
+    lib = load_rows_gemm()
+    assert lib is not None, "rows_gemm.c must build on a machine with a C compiler"
+    weight = torch.randn(100, INNER_DIM, generator=torch.Generator().manual_seed(14))  # [out, in]
+    weight[3] = 0.0
+    head = Int8Head(weight, lib)
+    dequantized = head.dequantized()  # [out, in]
+    assert dequantized.shape == weight.shape
+    bound = weight.abs().amax(1, keepdim=True) / 254  # half a step of each token's scale
+    assert ((dequantized - weight).abs() <= bound * (1 + 1e-6)).all()
+    assert (dequantized[3] == 0).all()
+    x = torch.randn(2, 3, INNER_DIM, generator=torch.Generator().manual_seed(15))
+    y = head(x)  # [2, 3, out]
+    assert y.shape == (2, 3, 100)
+    expected = x.double() @ dequantized.double().T
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
