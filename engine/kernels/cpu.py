@@ -261,6 +261,7 @@ class RowsGemm:
             ("rows_gemm_set_spin_us", [_I], None),
             ("rows_gemm_set_chunk_bytes", [_I], None),
             ("rows_gemm_set_group_rows", [ctypes.c_int], None),
+            ("rows_gemm_get_group_rows", [], ctypes.c_int),
             ("rows_gemm_isa", [], ctypes.c_char_p),
         ]:
             fn = getattr(lib, name)
@@ -287,6 +288,11 @@ class RowsGemm:
     def set_chunk_bytes(self, nbytes: int) -> None:
         """Weight bytes per unit of work that the threads claim."""
         self.lib.rows_gemm_set_chunk_bytes(nbytes)
+
+    @property
+    def group_rows(self) -> int:
+        """Rows per pass over the weights."""
+        return int(self.lib.rows_gemm_get_group_rows())
 
     def set_group_rows(self, rows: int) -> None:
         """Rows per pass over the weights (clamped to 1..the path's tile limit); more rows are

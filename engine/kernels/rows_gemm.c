@@ -76,7 +76,7 @@ typedef void (*tile_fn)(const float *x, const void *w, const float *scales, int6
 #if defined(ROWS_AVX512)
 #define ISA_NAME "avx512"
 #define MR_MAX 16
-#define GROUP_ROWS 8 /* default rows per pass over the weights (rows_gemm_set_group_rows) */
+#define GROUP_ROWS 14 /* default rows per pass over the weights (rows_gemm_set_group_rows) */
 
 /* 16 weights at p as float32. */
 #define WLOAD_F32(p) _mm512_loadu_ps(p)
@@ -269,12 +269,12 @@ _Pragma("GCC unroll 16") \
 #if defined(ROWS_AVX512)
 #define TILES(T)                                                                                   \
     T(1, 4) T(2, 8) T(3, 6) T(4, 6) T(5, 4) T(6, 4) T(7, 3) T(8, 3) T(9, 2) T(10, 2) T(11, 2)      \
-    T(12, 2) T(13, 2) T(14, 1) T(15, 1) T(16, 1) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1)   \
-    T(7, 1) T(8, 1) T(9, 1) T(10, 1) T(11, 1) T(12, 1) T(13, 1)
-static const int TILE_NB[MR_MAX + 1] = {0, 4, 8, 6, 6, 4, 4, 3, 3, 2, 2, 2, 2, 2, 1, 1, 1};
+    T(12, 2) T(13, 2) T(14, 2) T(15, 1) T(16, 1) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1)   \
+    T(7, 1) T(8, 1) T(9, 1) T(10, 1) T(11, 1) T(12, 1) T(13, 1) T(14, 1)
+static const int TILE_NB[MR_MAX + 1] = {0, 4, 8, 6, 6, 4, 4, 3, 3, 2, 2, 2, 2, 2, 2, 1, 1};
 #define MAIN_TABLE(P)                                                                              \
     {0, P##_1_4, P##_2_8, P##_3_6, P##_4_6, P##_5_4, P##_6_4, P##_7_3, P##_8_3, P##_9_2,           \
-     P##_10_2, P##_11_2, P##_12_2, P##_13_2, P##_14_1, P##_15_1, P##_16_1}
+     P##_10_2, P##_11_2, P##_12_2, P##_13_2, P##_14_2, P##_15_1, P##_16_1}
 #define ONE_TABLE(P)                                                                               \
     {0, P##_1_1, P##_2_1, P##_3_1, P##_4_1, P##_5_1, P##_6_1, P##_7_1, P##_8_1, P##_9_1,           \
      P##_10_1, P##_11_1, P##_12_1, P##_13_1, P##_14_1, P##_15_1, P##_16_1}
@@ -538,6 +538,8 @@ void rows_gemm_set_threads(int threads) {
 }
 
 int rows_gemm_get_threads(void) { return RELAXED(pool.threads); }
+
+int rows_gemm_get_group_rows(void) { return RELAXED(pool.group_rows); }
 
 /* Rows per pass over the weights (1 .. MR_MAX): more rows are served in equal groups. */
 void rows_gemm_set_group_rows(int rows) {

@@ -93,7 +93,8 @@ def test_strided_input_and_row_groups(lib: RowsGemm) -> None:
     ref = lib.matmul(x.contiguous(), packed, 72)
     assert torch.equal(lib.matmul(x, packed, 72), ref)
     assert torch.equal(lib.matmul(wide, packed, 72), lib.matmul(wide.contiguous(), packed, 72))
-    for rows in (1, 3, 8, 16):
+    before = lib.group_rows
+    for rows in (1, 3, 8, 14, 16):
         lib.set_group_rows(rows)
         try:
             y = lib.matmul(x, packed, 72)
@@ -102,7 +103,7 @@ def test_strided_input_and_row_groups(lib: RowsGemm) -> None:
             else:
                 assert torch.equal(y, ref)  # same k order and fused steps in every tile
         finally:
-            lib.set_group_rows(8)
+            lib.set_group_rows(before)
 
 
 def test_registered_and_selected_as_exact() -> None:
@@ -213,12 +214,19 @@ def test_q8_close_to_float(lib: RowsGemm, threads: int) -> None:
         x = torch.randn(13, 700, generator=g)[:, :576]  # [13, 576], row stride 700
         y = lib.matmul_q8(x, packed, scales, 4096)
         assert torch.equal(y, lib.matmul_q8(x.contiguous(), packed, scales, 4096))
+        group_rows = lib.group_rows
         lib.set_group_rows(3)
         try:
             torch.testing.assert_close(
                 lib.matmul_q8(x, packed, scales, 4096), y, rtol=1e-6, atol=1e-5
             )
         finally:
-            lib.set_group_rows(8)
+            lib.set_group_rows(group_rows)
     finally:
         lib.set_threads(before)
+
+
+def test_default_rows_per_pass(lib: RowsGemm) -> None:
+    """One pass over the weights serves up to 14 rows on AVX-512 (tiles of 2 panels up to 14
+    rows), 6 on AVX2 and 4 in portable C."""
+    assert lib.group_rows == {"avx512": 14, "avx2": 6, "scalar": 4}[lib.isa]
