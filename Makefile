@@ -106,6 +106,10 @@ bench-spec-onoff: models ## Speculation on vs off in one engine, alternating 2.5
 	$(PY) -m bench.spec_onoff --speculator $(or $(SPECULATOR),$(DEFAULT_SPECULATOR)) \
 		$(if $(TEMPERATURE),--temperature $(TEMPERATURE)) $(if $(TOP_P),--top-p $(TOP_P))
 
+.PHONY: bench-tree-rules
+bench-tree-rules: models ## Tokens per verified tree against its rows for each candidate selection rule, offline on held-out answers (SPECULATOR=PATH, default: make speculator's)
+	$(PY) -m bench.tree_rules --speculator $(or $(SPECULATOR),$(DEFAULT_SPECULATOR))
+
 .PHONY: bench-spec-sampled
 bench-spec-sampled: models gen-proto ## Seeded sampling, speculation on vs off: identical tokens offline and via gRPC for 3 models, random/scripted/trained speculators
 	$(PY) -m bench.spec_sampled_equality

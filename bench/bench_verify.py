@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=default_model_path())
     parser.add_argument("--top-k", type=int, nargs="+", default=[5, 3, 2])
     parser.add_argument("--candidates", type=int, default=5)
-    parser.add_argument("--selection", choices=CANDIDATE_SELECTIONS, default="coverage")
+    parser.add_argument("--selection", choices=CANDIDATE_SELECTIONS, default="nodes")
     parser.add_argument("--speculator", type=Path, help="a trained speculator folder")
     parser.add_argument("--worst-case", action="store_true")
     parser.add_argument("--repeats", type=int, default=30)

@@ -110,7 +110,7 @@ def _load_proposer(
         speculator.config.n_predict,
         speculator.num_draft_tokens,
         list(proposer.top_k_tokens_per_head),
-        proposer.n_candidates,
+        proposer.num_candidates,
         proposer.selection,
         spec.max_batch_size,
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 DTYPES = ("float32", "float16", "bfloat16")
 """The weight and KV dtypes the engine serves, by name."""
 
-CANDIDATE_SELECTIONS = ("coverage", "joint")
+CANDIDATE_SELECTIONS = ("nodes", "coverage", "joint")
 """How a proposer picks its candidate paths (see `MLPSpeculator.draft_candidates`)."""
 
 DEFAULT_MEMORY_FRACTION = 0.9
@@ -54,9 +54,10 @@ class SpeculativeConfig:
     """Tokens taken per head for the candidate tree (default: the speculator config's)."""
     n_candidates: int | None = None
     """Candidate paths verified per request and step (default: the speculator config's)."""
-    candidate_selection: str = "coverage"
-    """`coverage` (each path adds the most expected accepted drafts) or `joint` (fms-extras'
-    highest joint probabilities)."""
+    candidate_selection: str = "nodes"
+    """`nodes` (the drafts of highest path probability, as many as `n_candidates` paths hold, so
+    that the policy may verify any number of them), `coverage` (each path adds the most expected
+    accepted drafts) or `joint` (fms-extras' highest joint probabilities)."""
     max_batch_size: int = 16
     """Draft only while at most this many requests run."""
     adaptive: bool = True

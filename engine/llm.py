@@ -43,7 +43,7 @@ class LLM:
         speculator: str | Path | Proposer | None = None,
         top_k_tokens_per_head: Sequence[int] | None = None,
         n_candidates: int | None = None,
-        candidate_selection: str = "coverage",
+        candidate_selection: str = "nodes",
         spec_max_batch_size: int = 16,
         adaptive_speculation: bool = True,
         enable_prefix_caching: bool = True,
@@ -57,7 +57,7 @@ class LLM:
         MLP speculator's path, or any Proposer) turns on speculative decoding for greedy and
         sampled requests while at most `spec_max_batch_size` run; `top_k_tokens_per_head` and
         `n_candidates` override the speculator config's tree shape, and `candidate_selection` picks
-        the candidates ("coverage" or fms-extras' "joint", see `MLPProposer`). With
+        the candidates ("nodes", "coverage" or fms-extras' "joint", see `MLPProposer`). With
         `adaptive_speculation`, a SpeculationPolicy picks per step how many candidates pay.
         `enable_prefix_caching` shares the KV blocks of identical prompt prefixes.
         `cpu_kernels=False` runs the CPU float32 glue and attention as ATen ops instead of the

@@ -289,10 +289,12 @@ class ServerConfig:
         ),
     )
     speculator_candidate_selection: str = field(
-        default="coverage",
+        default="nodes",
         metadata=_meta(
-            "How candidates are picked from the tree: coverage (each adds the most expected "
-            "accepted drafts) or joint (highest path probability, as fms-extras)."
+            "How candidates are picked from the tree: nodes (the drafts of highest path "
+            "probability, as many as the candidate paths hold; the server verifies as many of "
+            "them as pay), coverage (paths, each adding the most expected accepted drafts) or "
+            "joint (paths of highest probability, as fms-extras)."
         ),
     )
     speculator_max_batch_size: int = field(

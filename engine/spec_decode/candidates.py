@@ -3,7 +3,7 @@
 The speculator's heads branch into the top `k_d` tokens at depth d, so depth d holds
 `F_d = k_0 * ... * k_d` nodes in mixed-radix order of their ranks (the root not counted), and
 leaf j's ancestor at depth d is node `j // (F_last / F_d)`. Candidates are leaves, picked by
-their summed log-probabilities ("joint") or by `coverage_picks`.
+their summed log-probabilities ("joint") or by `coverage_picks`, or any nodes, by `node_picks`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class TreeShape(NamedTuple):
     ancestors: np.ndarray  # [D, L]: each leaf's ancestor at every depth (the leaf itself last)
     common: np.ndarray  # [L, L]: ancestors two leaves share (depth + 1 for a leaf and itself)
     path_nodes: np.ndarray  # [L, D]: each leaf's path, as nodes numbered depth by depth
+    node_paths: np.ndarray  # [nodes, D]: each node's path the same way, -1 below the node
 
 
 @functools.lru_cache(maxsize=64)
@@ -34,9 +35,27 @@ def tree_shape(widths: tuple[int, ...]) -> TreeShape:
     common[leaves, leaves] = len(widths) + 1
     starts = np.cumsum((0, *widths[:-1]))  # [D]: the first node of each depth
     path_nodes = np.ascontiguousarray((ancestors + starts[:, None]).T)  # [L, D]
-    for array in (ancestors, common, path_nodes):
+    node_paths = np.full((sum(widths), len(widths)), -1, dtype=np.int64)  # [nodes, D]
+    for d, width in enumerate(widths):
+        # depth d's nodes are the leaves' ancestors there, each once (leaves are in node order)
+        first = np.unique(ancestors[d], return_index=True)[1]  # [width]
+        node_paths[starts[d] : starts[d] + width, : d + 1] = path_nodes[first, : d + 1]
+    for array in (ancestors, common, path_nodes, node_paths):
         array.setflags(write=False)
-    return TreeShape(ancestors, common, path_nodes)
+    return TreeShape(ancestors, common, path_nodes, node_paths)
+
+
+def node_picks(
+    scores: Sequence[np.ndarray],  # per depth d: [B, F_d] summed log-probabilities
+    n_candidates: int,
+) -> np.ndarray:  # [B, N] int64 nodes, numbered depth by depth
+    """The `n_candidates` nodes of highest summed log-probability, best first, ties to the
+    shallower node, then to the lower node. A node's path probability is at most its parent's,
+    so every node comes after its ancestors and each prefix of the picks is a tree: the tree of
+    that many drafts that holds the most expected accepted drafts (each node's probability
+    being the chance that its whole path is accepted)."""
+    flat = np.concatenate(scores, axis=1)  # [B, nodes]
+    return np.argsort(-flat, axis=1, kind="stable")[:, :n_candidates]
 
 
 def coverage_picks(
@@ -57,7 +76,8 @@ def coverage_picks(
     """
     depth = len(probs)
     batch, num_leaves = probs[-1].shape
-    ancestors, common, _ = tree_shape(tuple(level.shape[1] for level in probs))
+    shape = tree_shape(tuple(level.shape[1] for level in probs))
+    ancestors, common = shape.ancestors, shape.common
     leaf_probs = [level[:, a] for level, a in zip(probs, ancestors, strict=True)]  # [B, L] each
     # gains[m]: a leaf's gain when its first m ancestors are covered; m = depth + 1 marks a
     # picked leaf (`tree_shape` gives a leaf depth + 1 common ancestors with itself).

@@ -15,7 +15,12 @@ from engine.kernels.autotune import select_kernels
 from engine.kernels.cpu import RowsGemm, load_rows_gemm
 from engine.kernels.matmul import ROWS_MAX
 from engine.layers.linear import Linear
-from engine.spec_decode.mlp_speculator import MLPSpeculator, check_selection, check_tree_shape
+from engine.spec_decode.mlp_speculator import (
+    MLPSpeculator,
+    check_selection,
+    check_tree_shape,
+    num_candidates,
+)
 from engine.spec_decode.tree import DraftTree
 
 
@@ -139,17 +144,19 @@ def single_threaded_glue(device: torch.device, enabled: bool = True) -> Iterator
 
 
 class MLPProposer:
-    """Drafts the `n_candidates` best paths of an MLPSpeculator's top-k tree, merged. Takes
-    over `speculator` for inference (see `use_engine_linears`)."""
+    """Drafts the best candidates of an MLPSpeculator's top-k tree, merged into one tree: the
+    `n_candidates` best paths, or with "nodes" selection the best nodes, as many as those
+    paths hold drafts, so that its first k candidates are a tree of k drafts. Takes over
+    `speculator` for inference (see `use_engine_linears`)."""
 
     def __init__(
         self,
         speculator: MLPSpeculator,
         top_k_tokens_per_head: Sequence[int] | None = None,
         n_candidates: int | None = None,
-        selection: str = "coverage",
+        selection: str = "nodes",
     ) -> None:
-        """`top_k_tokens_per_head` and `n_candidates` override the speculator's config;
+        """`top_k_tokens_per_head` and `n_candidates` (paths) override the speculator's config;
         `selection` is how the candidates are picked from the tree
         (`MLPSpeculator.draft_candidates`)."""
         check_selection(selection)
@@ -167,7 +174,7 @@ class MLPProposer:
 
     @property
     def num_candidates(self) -> int:
-        return self.n_candidates
+        return num_candidates(self.top_k_tokens_per_head, self.n_candidates, self.selection)
 
     def propose(self, inputs: Sequence[ProposalInput]) -> list[DraftTree]:
         if not inputs:
@@ -181,6 +188,6 @@ class MLPProposer:
                 states, last, self.top_k_tokens_per_head, self.n_candidates, self.selection
             )  # [B, N, n_predict] on the host
         return [
-            DraftTree.from_paths(candidates, p.max_depth)
+            DraftTree.from_paths([[t for t in path if t >= 0] for path in candidates], p.max_depth)
             for p, candidates in zip(inputs, paths.tolist(), strict=True)
         ]

@@ -23,8 +23,8 @@ from torch import nn
 
 from engine.kernels.cpu import load_rows_gemm
 from engine.spec_decode import mlp_speculator
-from engine.spec_decode.candidates import coverage_picks
-from engine.spec_decode.mlp_speculator import MLPSpeculator
+from engine.spec_decode.candidates import coverage_picks, node_picks, tree_shape
+from engine.spec_decode.mlp_speculator import MLPSpeculator, num_candidates
 from engine.spec_decode.proposer import (
     Int8Head,
     MLPProposer,
@@ -113,8 +113,16 @@ def _reference_tree(
 def _reference_candidates(
     levels: list[list[tuple[tuple[int, ...], float]]], n: int, selection: str
 ) -> list[tuple[tuple[int, ...], float]]:
-    """The `n` candidate leaves by `selection`'s rule, in the order picked."""
+    """The candidates by `selection`'s rule, in the order picked: `n` leaves, or for "nodes"
+    the `n * depth` nodes (at most all) of highest score, ties to the shallower, then earlier."""
     leaves = levels[-1]
+    if selection == "nodes":
+        nodes = sorted(
+            ((path, score, d, j) for d, level in enumerate(levels) for j, (path, score) in
+             enumerate(level)),
+            key=lambda node: (-node[1], node[2], node[3]),
+        )  # fmt: skip
+        return [(path, score) for path, score, _, _ in nodes[: n * len(levels)]]
     if selection == "joint":
         order = sorted(range(len(leaves)), key=lambda j: (-leaves[j][1], j))
         return [leaves[j] for j in order[:n]]
@@ -145,17 +153,19 @@ def _check_against_reference(
     vocab: list[int] | None,
 ) -> None:
     paths, scores = model.draft_candidates(states, tokens, top_k, n, selection)
-    assert paths.shape == (states.shape[0], n, len(top_k)) and paths.dtype == np.int64
-    assert scores.shape == (states.shape[0], n) and scores.dtype == np.float32
+    num = num_candidates(top_k, n, selection)
+    assert paths.shape == (states.shape[0], num, len(top_k)) and paths.dtype == np.int64
+    assert scores.shape == (states.shape[0], num) and scores.dtype == np.float32
     for b in range(states.shape[0]):
         levels = _reference_tree(reference, states[b], int(tokens[b]), top_k, vocab)
         expected = _reference_candidates(levels, n, selection)
-        assert [tuple(p) for p in paths[b].tolist()] == [path for path, _ in expected]
+        padded = [path + (-1,) * (len(top_k) - len(path)) for path, _ in expected]
+        assert [tuple(p) for p in paths[b].tolist()] == padded
         for got, (_, score) in zip(scores[b].tolist(), expected, strict=True):
             assert got == pytest.approx(score, abs=1e-5)
 
 
-@pytest.mark.parametrize("selection", ["joint", "coverage"])
+@pytest.mark.parametrize("selection", ["nodes", "joint", "coverage"])
 @pytest.mark.parametrize("engine_linears", [False, True])
 @pytest.mark.parametrize(
     ("tie", "scale", "restricted"),
@@ -191,7 +201,7 @@ def test_other_depths_match_the_per_node_reference(n_predict: int) -> None:
     top_k = (3, 2, 2, 2)[:n_predict]
     states = 2 * torch.randn(2, EMB_DIM, generator=torch.Generator().manual_seed(7))
     tokens = torch.tensor([5, 99])
-    for selection in ("joint", "coverage"):
+    for selection in ("nodes", "joint", "coverage"):
         for n in (1, math.prod(top_k)):
             _check_against_reference(model, model, states, tokens, top_k, n, selection, None)
 
@@ -252,8 +262,11 @@ def test_the_proposer_drafts_the_candidates_as_trees() -> None:
     trees = proposer.propose(inputs)
     for p, tree in zip(inputs, trees, strict=True):
         levels = _reference_tree(reference, p.hidden_state, p.token_ids[-1], (4, 2, 2), None)
-        expected = [path for path, _ in _reference_candidates(levels, 5, "coverage")]
+        expected = [path for path, _ in _reference_candidates(levels, 5, "nodes")]  # 15 nodes
         assert tree == DraftTree.from_paths(expected, p.max_depth)
+        assert proposer.num_candidates == 15 and len(tree.leaves) == 15
+        if p.max_depth == 3:  # each candidate adds one node: any k of them are a k-draft tree
+            assert tree.leaves == tuple(range(1, 16))
 
 
 def test_int8_heads_round_each_weight_to_its_tokens_scale() -> None:
@@ -272,3 +285,18 @@ def test_int8_heads_round_each_weight_to_its_tokens_scale() -> None:
     assert y.shape == (2, 3, 100)
     expected = x.double() @ dequantized.double().T
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_node_picks_put_every_node_after_its_ancestors() -> None:
+    # depth 0: 2 nodes; depth 1: 2 children each; a child as likely as its parent (log-prob 0)
+    # ties with it, and -inf paths come last, still after their ancestors
+    scores = [
+        np.array([[-0.5, -1.0]], dtype=np.float32),
+        np.array([[-0.5, -np.inf, -1.2, -3.0]], dtype=np.float32),
+    ]
+    picks = node_picks(scores, 6)[0].tolist()
+    assert picks == [0, 2, 1, 4, 5, 3]
+    paths = tree_shape((2, 4)).node_paths
+    for i, node in enumerate(picks):
+        ancestors = [a for a in paths[node].tolist() if a >= 0][:-1]
+        assert all(a in picks[:i] for a in ancestors)
