@@ -5,7 +5,7 @@ The tree is what the MLP speculator proposes with top-k [5, 3, 2] and 5 candidat
 prompt's real final hidden state: a trained speculator's (`--speculator PATH`, drafting from its
 draft vocabulary when it has one) or a random one of the same shape over the whole vocabulary;
 `--worst-case` uses five disjoint paths instead (16 rows). It is verified whole and cut to its
-first `--rows` rows (4 and 8 by default; 4 rows is the best candidate's path), as the scheduler
+first `--rows` rows (4 and 8 by default), as the scheduler
 trims trees. The speculator's own drafting time is reported too, and per tree size
 (verify + drafting) / plain: what a step that gains tokens by speculation costs against a plain
 step. All of these are timed in one interleaved run. With `--temperature`, the speculator's
@@ -119,7 +119,7 @@ def main() -> None:
             state, last, args.top_k, args.candidates, args.selection
         )[0]
 
-    paths = draft()[0].tolist()
+    paths = [[t for t in path if t >= 0] for path in draft()[0].tolist()]  # "nodes": -1 below
     plain_draft_s = best_of(draft, args.repeats)
     use_engine_linears(speculator)  # as MLPProposer serves it
     plain_draft = draft
@@ -131,7 +131,8 @@ def main() -> None:
     if args.worst_case:
         paths = [[1000 * (c + 1) + d for d in range(depth)] for c in range(args.candidates)]
     full = DraftTree.from_paths(paths)
-    # The first R - 1 drafts of the tree, as the scheduler trims it: R = 4 is candidate 0's path.
+    # The first R - 1 drafts of the tree, as the scheduler trims it (with "nodes" selection: the
+    # R - 1 drafts of highest path probability, as the adaptive policy verifies them).
     trees = {min(r, full.num_drafts + 1): full.truncate(r - 1) for r in (*args.rows, 10**9)}
     verifies = {
         rows: SequenceInput(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.kernels.autotune import select_kernels
-from engine.kernels.matmul import KERNELS
+from engine.kernels.matmul import KERNELS, default_kernel
 from engine.layers.linear import Linear
 
 SHAPES = [(64, 96), (96, 40)]  # (in, out)
@@ -185,12 +185,16 @@ def test_selection_shares_shapes_and_reports() -> None:
 
 def test_selection_times_whole_passes() -> None:
     """Where shapes chose differently, or a kernel other than the default was chosen, whole
-    passes decide: the fastest variant is installed on every layer, and the table reports it."""
+    passes decide: the fastest variant is installed on every layer (the default kernel on every
+    layer unless the fastest beats it by more than the margin), and the table reports it."""
     layers = [make(64, 96, False, seed=s)[0] for s in range(3)] + [make(96, 64, True)[0]]
     table = select_kernels(layers, m_values=(1, 8), target_s=2e-4)
     for m, times in table.passes.items():
         assert times and all(t > 0 for t in times.values())
         fastest = min(times, key=lambda v: times[v])
+        default = f"all {default_kernel(m)}"
+        if default in times and times[default] <= 1.25 * times[fastest]:
+            fastest = default
         names = {plan[m] for plan in table.chosen.values()}
         if fastest.startswith("all "):
             assert names == {fastest.removeprefix("all ")}
@@ -204,6 +208,33 @@ def test_selection_times_whole_passes() -> None:
     # one kernel everywhere, the default: nothing to compare
     only_rows = select_kernels(layers, m_values=(1, 8), kernels=["rows"], target_s=2e-4)
     assert only_rows.passes == {}
+
+
+@pytest.mark.parametrize(("default_ms", "installed"), [(1.2, "rows"), (1.3, "onednn")])
+def test_whole_passes_keep_the_default_within_the_margin(
+    monkeypatch: pytest.MonkeyPatch, default_ms: float, installed: str
+) -> None:
+    """A pass with another kernel must beat the default kernel's pass by more than
+    `default_margin` (1.25) to replace it: the passes miss the ops between the products."""
+    from engine.kernels import autotune
+
+    def passes(calls: dict[str, list[object]], rounds: int) -> dict[str, float]:
+        assert {"all rows", "all onednn"} <= set(calls)
+        return {v: default_ms if v == "all rows" else 1.0 for v in calls}
+
+    time_cell = autotune._time_cell
+
+    def cells(*args: object, **kwargs: object) -> dict[str, autotune.Timing]:
+        timed = time_cell(*args, **kwargs)  # type: ignore[arg-type]
+        timed["onednn"].ms = timed["rows"].ms / 10  # one shape at a time, oneDNN wins
+        return timed
+
+    monkeypatch.setattr(autotune, "_time_cell", cells)
+    monkeypatch.setattr(autotune, "_time_passes", passes)
+    layers = [make(64, 96, False, seed=s)[0] for s in range(2)]
+    table = select_kernels(layers, m_values=(4,), kernels=["rows", "onednn"], target_s=2e-4)
+    assert table.chosen[(64, 96)] == {4: installed}
+    assert {layer.kernel_names[4] for layer in layers} == {installed}
 
 
 def test_non_fp32_cpu_uses_torch() -> None:
