@@ -209,11 +209,12 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
     large = (_build_onednn if onednn else _build_torch)(layer, shared)
     # [packed W^T [ceil(out/16), in, 16], padded bias [ceil(out/16) * 16] or None, weights_version]
     state: list[Any] = [None, None, -1]
+    if "rows_threads" not in shared:  # process-wide setting, applied once per build batch
+        # now, not at a lazy first call: that may run where torch is held to one thread
+        shared["rows_threads"] = torch.get_num_threads()
+        lib.set_threads(shared["rows_threads"])
 
     def pack() -> None:
-        if "rows_threads" not in shared:  # process-wide setting, applied once per build batch
-            shared["rows_threads"] = torch.get_num_threads()
-            lib.set_threads(shared["rows_threads"])
         state[0] = lib.pack(layer.storage)
         state[1] = None if layer.bias is None else lib.pad_bias(layer.bias)
         state[2] = layer.weights_version

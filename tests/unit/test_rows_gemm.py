@@ -132,6 +132,22 @@ def test_threads_default_to_torch() -> None:
     assert lib.threads == torch.get_num_threads()
 
 
+def test_threads_are_set_when_built_not_at_the_first_call() -> None:
+    """A layer's default "rows" kernel packs at its first call, which may come while torch is
+    held to one thread (drafting's `single_threaded_glue`): the process-wide thread count must
+    stay the one torch had when the kernel was built."""
+    lib = load_rows_gemm()
+    assert lib is not None
+    threads = torch.get_num_threads()
+    layer = Linear(32, 48, dtype=torch.float32, device="cpu")  # built: threads set now
+    torch.set_num_threads(1)
+    try:
+        layer(torch.randn(2, 32))  # the first call packs the weights
+    finally:
+        torch.set_num_threads(threads)
+    assert lib.threads == threads
+
+
 # int8 weights ("q8"): shapes (in, out) with odd out features and a speculator-sized head.
 Q8_PACK_SHAPES = [(7, 13), (33, 200), (576, 960), (576, 4096)]
 
