@@ -9,6 +9,8 @@ their summed log-probabilities ("joint") or by `coverage_picks`, or any nodes, b
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -97,3 +99,53 @@ def coverage_picks(
         picks[:, n] = pick
         np.maximum(covered, common[pick], out=covered)
     return picks
+
+
+def num_candidates(top_k: Sequence[int], n_candidates: int, selection: str) -> int:
+    """How many candidates `pick_candidates` returns: `n_candidates` paths, or with "nodes"
+    selection the drafts that many paths hold (`n_candidates * len(top_k)`), at most the
+    tree's nodes."""
+    if selection != "nodes":
+        return n_candidates
+    return min(n_candidates * len(top_k), sum(itertools.accumulate(top_k, operator.mul)))
+
+
+def pick_candidates(
+    host: np.ndarray,  # float64: per depth d, [B * F_(d-1), k_d] log-probs, then as many ids
+    batch: int,
+    top_k: Sequence[int],
+    n_candidates: int,
+    selection: str,
+) -> tuple[np.ndarray, np.ndarray]:  # [B, N, D] int64 paths, [B, N] float32 scores
+    """The N = `num_candidates(top_k, n_candidates, selection)` candidates of a top-k tree whose
+    heads' top-k log-probabilities and token ids are `host`, depth by depth, parents in
+    mixed-radix order (`MLPSpeculator.draft_candidates` makes it): each candidate's tokens and
+    summed log-probability (float32, summed in depth order). "joint" takes the leaves of highest
+    sum, "coverage" the leaves `coverage_picks` picks, "nodes" the nodes `node_picks` picks,
+    each as its path padded with -1 below the node."""
+    widths = tuple(itertools.accumulate(top_k, operator.mul))  # [D]
+    scores = np.zeros((batch, 1), dtype=np.float32)  # [B, F]
+    prefix_scores: list[np.ndarray] = []  # per depth: [B, F_d] summed log-probabilities
+    node_tokens: list[np.ndarray] = []  # per depth: [B * F_d] token ids
+    offset = 0
+    for k, width in zip(top_k, widths, strict=True):
+        size = batch * width
+        step = host[offset : offset + size].astype(np.float32).reshape(batch, -1, k)
+        scores = (scores[:, :, None] + step).reshape(batch, width)
+        prefix_scores.append(scores)  # [B, F_d]
+        node_tokens.append(host[offset + size : offset + 2 * size].astype(np.int64))
+        offset += 2 * size
+    all_tokens = np.concatenate([t.reshape(batch, -1) for t in node_tokens], 1)  # [B, nodes]
+    rows = np.arange(batch)[:, None]  # [B, 1]
+    shape = tree_shape(widths)
+    if selection == "nodes":
+        best = node_picks(prefix_scores, num_candidates(top_k, n_candidates, selection))  # [B, N]
+        nodes = shape.node_paths[best]  # [B, N, D], -1 below each node
+        paths = np.where(nodes >= 0, all_tokens[rows[:, :, None], nodes], -1)  # [B, N, D]
+        return paths, np.concatenate(prefix_scores, axis=1)[rows, best]
+    if selection == "coverage":
+        best = coverage_picks([np.exp(level) for level in prefix_scores], n_candidates)  # [B, N]
+    else:
+        best = np.argsort(-scores, axis=1, kind="stable")[:, :n_candidates]  # [B, N] leaves
+    paths = all_tokens[rows[:, :, None], shape.path_nodes[best]]  # [B, N, D]
+    return paths, scores[rows, best]

@@ -21,10 +21,8 @@ which other servers ignore.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +35,7 @@ from torch import nn
 
 from engine.config import CANDIDATE_SELECTIONS
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels
-from engine.spec_decode.candidates import coverage_picks, node_picks, tree_shape
+from engine.spec_decode.candidates import pick_candidates
 
 MODEL_TYPE = "mlp_speculator"
 DRAFT_VOCABULARY_FILE = "draft_vocabulary.json"
@@ -136,15 +134,6 @@ def check_tree_shape(n_predict: int, top_k: Sequence[int], n_candidates: int) ->
             f"n_candidates ({n_candidates}) must be between 1 and the number of tree leaves "
             f"({math.prod(top_k)} for top_k_tokens_per_head {list(top_k)})"
         )
-
-
-def num_candidates(top_k: Sequence[int], n_candidates: int, selection: str) -> int:
-    """How many candidates `draft_candidates` returns: `n_candidates` paths, or with "nodes"
-    selection the drafts that many paths hold (`n_candidates * len(top_k)`), at most the
-    tree's nodes."""
-    if selection != "nodes":
-        return n_candidates
-    return min(n_candidates * len(top_k), sum(itertools.accumulate(top_k, operator.mul)))
 
 
 class SpeculatorNorm(nn.Module):
@@ -306,7 +295,7 @@ class MLPSpeculator(nn.Module):
         n_candidates: int,
         selection: str = "joint",
     ) -> tuple[np.ndarray, np.ndarray]:  # [B, N, n] int64 paths, [B, N] float32 scores
-        """N = `num_candidates(top_k_tokens_per_head, n_candidates, selection)` draft paths and
+        """N = `candidates.num_candidates(top_k_tokens_per_head, n_candidates, selection)` paths and
         their summed log-probabilities, on the host, from a tree that branches into the top
         `top_k_tokens_per_head[i]` tokens at head i. Children carry their parent's new state;
         leaves are in mixed-radix order of their ranks (fms-extras' `generate_suffixes`).
@@ -345,31 +334,4 @@ class MLPSpeculator(nn.Module):
             levels += [top_logprobs, tokens]
         # float64 holds both exactly: the one copy to the host
         host = torch.cat([t.flatten().double() for t in levels]).cpu().numpy()
-        widths = tuple(itertools.accumulate(top_k_tokens_per_head, operator.mul))  # [D]
-        scores = np.zeros((batch, 1), dtype=np.float32)  # [B, F]
-        prefix_scores: list[np.ndarray] = []  # per depth: [B, F_d] summed log-probabilities
-        node_tokens: list[np.ndarray] = []  # per depth: [B, F_d] token ids
-        offset = 0
-        for k, width in zip(top_k_tokens_per_head, widths, strict=True):
-            size = batch * width
-            step = host[offset : offset + size].astype(np.float32).reshape(batch, -1, k)
-            scores = (scores[:, :, None] + step).reshape(batch, width)
-            prefix_scores.append(scores)  # [B, F_d]
-            node_tokens.append(host[offset + size : offset + 2 * size].astype(np.int64))
-            offset += 2 * size
-        all_tokens = np.concatenate([t.reshape(batch, -1) for t in node_tokens], 1)  # [B, nodes]
-        rows = np.arange(batch)[:, None]  # [B, 1]
-        shape = tree_shape(widths)
-        if selection == "nodes":
-            num_nodes = num_candidates(top_k_tokens_per_head, n_candidates, selection)
-            best = node_picks(prefix_scores, num_nodes)  # [B, N] nodes
-            nodes = shape.node_paths[best]  # [B, N, D], -1 below each node
-            paths = np.where(nodes >= 0, all_tokens[rows[:, :, None], nodes], -1)  # [B, N, D]
-            return paths, np.concatenate(prefix_scores, axis=1)[rows, best]
-        if selection == "coverage":
-            probs = [torch.from_numpy(level).exp().numpy() for level in prefix_scores]
-            best = coverage_picks(probs, n_candidates)  # [B, N] leaves
-        else:
-            best = torch.from_numpy(scores).topk(n_candidates, dim=-1)[1].numpy()  # [B, N]
-        paths = all_tokens[rows[:, :, None], shape.path_nodes[best]]  # [B, N, D]
-        return paths, scores[rows, best]
+        return pick_candidates(host, batch, top_k_tokens_per_head, n_candidates, selection)

@@ -15,11 +15,11 @@ from engine.kernels.autotune import select_kernels
 from engine.kernels.cpu import RowsGemm, load_rows_gemm
 from engine.kernels.matmul import ROWS_MAX
 from engine.layers.linear import Linear
+from engine.spec_decode.candidates import num_candidates
 from engine.spec_decode.mlp_speculator import (
     MLPSpeculator,
     check_selection,
     check_tree_shape,
-    num_candidates,
 )
 from engine.spec_decode.tree import DraftTree
 

@@ -23,8 +23,8 @@ from torch import nn
 
 from engine.kernels.cpu import load_rows_gemm
 from engine.spec_decode import mlp_speculator
-from engine.spec_decode.candidates import coverage_picks, node_picks, tree_shape
-from engine.spec_decode.mlp_speculator import MLPSpeculator, num_candidates
+from engine.spec_decode.candidates import coverage_picks, node_picks, num_candidates, tree_shape
+from engine.spec_decode.mlp_speculator import MLPSpeculator
 from engine.spec_decode.proposer import (
     Int8Head,
     MLPProposer,
