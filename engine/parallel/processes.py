@@ -47,6 +47,8 @@ class ShardProcesses:
         failure's message."""
         self._stopping = False
         self._lock = threading.Lock()
+        self._exits: dict[int, int | None] = {}  # rank -> exit code, as the monitor reaped it
+        self._exited = threading.Condition(self._lock)
         for rank, process in self.processes.items():
             process.start()
             logger.info("tensor parallelism: rank %d is process %s", rank, process.pid)
@@ -56,18 +58,16 @@ class ShardProcesses:
     def fail(self, message: str, grace_s: float = 0.0) -> None:
         """Record the group's failure (the first one counts) and report it. A rank that has
         exited, or exits within `grace_s` (the error a collective raised is often the first
-        sign of a peer's death), is named instead of `message`."""
-        alive = {p.sentinel: p for p in self.processes.values() if p.exitcode is None}
-        if grace_s and alive:
-            for sentinel in multiprocessing.connection.wait(list(alive), timeout=grace_s):
-                alive[sentinel].join()  # type: ignore[index]
+        sign of a peer's death), is named instead of `message`. Only the monitor thread reaps
+        the ranks (two threads waiting on one child race: one of them sees no exit code)."""
         with self._lock:
+            if grace_s:
+                self._exited.wait_for(lambda: bool(self._exits), timeout=grace_s)
             if self.failure is not None or self._stopping:
                 return
-            dead = [(r, p) for r, p in self.processes.items() if p.exitcode is not None]
-            if dead:
-                rank, process = dead[0]
-                message = f"shard rank {rank} {describe_exit(process.exitcode)}"
+            if self._exits:
+                rank = min(self._exits)
+                message = f"shard rank {rank} {describe_exit(self._exits[rank])}"
             self.failure = message
         logger.error("tensor parallelism failed: %s", message)
         if self.on_failure is not None:
@@ -81,6 +81,9 @@ class ShardProcesses:
                 rank = sentinels[sentinel]  # type: ignore[index]
                 process = alive.pop(rank)
                 process.join()
+                with self._lock:
+                    self._exits[rank] = process.exitcode
+                    self._exited.notify_all()
                 self.fail(f"shard rank {rank} {describe_exit(process.exitcode)}")
 
     def stop(self, timeout: float) -> None:
