@@ -92,7 +92,12 @@ class Drafter:
                 scheduler.config.max_num_batched_tokens - len(inputs),
             )
             choice = self.policy.choose(num_plain_rows, Counter(methods))
-        chosen = [(p, choice[m]) for p, m in zip(inputs, methods, strict=True) if choice.get(m)]
+        refreshing = set(self.policy.refreshing) if self.policy is not None else set()
+        chosen = []  # (input, candidates): one full tree for each refreshing method
+        for p, m in zip(inputs, methods, strict=True):
+            if choice.get(m):
+                chosen.append((p, full if m in refreshing else choice[m]))
+                refreshing.discard(m)
         if self.policy is not None and self.policy.probing:
             chosen = chosen[:1]
         if not chosen:

@@ -22,11 +22,12 @@ the choice. Every verified tree of K candidates also tells what each k <= K woul
 What the choice rests on is kept current: speculation waits until the plain step it must beat
 has been timed `min_samples` times, the last within `2 * refresh_every` decisions (else the step
 decodes plainly, and so times it), so that a host that sped up or slowed down since cannot make
-a stale plain time look dear or cheap; every `refresh_every` speculative steps the full tree is
-verified again so that T_k stays current; after `explore_every` plain decisions in a row the
-tree is tried again, so that one unlucky measurement (drafts that missed) cannot turn
-speculation off for good. Such tries only measure: `probing` tells the engine to draft for one
-request, so a probe costs one tree's rows, whatever the batch. A number of trees never timed is
+a stale plain time look dear or cheap; every `refresh_every` speculative steps one request
+verifies the full tree (`refreshing` names its method; the others keep the choice) so that T_k
+stays current for every k; after `explore_every` plain decisions in a row the tree is tried
+again, so that one unlucky measurement (drafts that missed) cannot turn speculation off for
+good. Such tries only measure: `probing` tells the engine to draft for one request. So a probe
+or a refresh costs one tree's rows, whatever the batch. A number of trees never timed is
 priced from the nearest one timed (fewer preferred); the step that follows measures it.
 """
 
@@ -136,6 +137,7 @@ class SpeculationPolicy:
         self._since_full = dict.fromkeys(Method, 0)  # speculative decisions since a full tree
         self._since_speculative = 0  # plain decisions in a row
         self.probing = False  # the last choice only measures: speculate for one request
+        self.refreshing: set[Method] = set()  # the last choice's methods that refresh T_k
 
     def choose(
         self, num_plain_rows: int, num_spec_requests: Mapping[Method, int]
@@ -144,6 +146,7 @@ class SpeculationPolicy:
         next step, in a step that also computes `num_plain_rows` rows for other requests; a
         method left out decodes plainly."""
         self.probing = False
+        self.refreshing = set()
         counts = {m: n for m, n in num_spec_requests.items() if n > 0}
         if not counts:
             return {}
@@ -157,9 +160,7 @@ class SpeculationPolicy:
             return self._chosen({(unmeasured or list(counts))[0]: full})
         plain_time = self._plain_time()
         options = [
-            [full]
-            if self._since_full[m] >= self.refresh_every
-            else [k for k in range(full + 1) if k == 0 or self.acceptance[m].tokens[k].count]
+            [k for k in range(full + 1) if k == 0 or self.acceptance[m].tokens[k].count]
             for m in counts
         ]
         best: dict[Method, int] = {}
@@ -181,8 +182,13 @@ class SpeculationPolicy:
         return self._chosen(best)
 
     def _chosen(self, choice: dict[Method, int]) -> dict[Method, int]:
+        """Record `choice`; a speculating method `refresh_every` decisions past its last full
+        tree joins `refreshing`: one of its requests verifies the full tree this step."""
         for m, k in choice.items():
-            self._since_full[m] = 0 if k == self.num_candidates else self._since_full[m] + 1
+            if k < self.num_candidates and self._since_full[m] >= self.refresh_every:
+                self.refreshing.add(m)
+            full = k == self.num_candidates or m in self.refreshing
+            self._since_full[m] = 0 if full else self._since_full[m] + 1
         self._since_speculative = 0 if choice else self._since_speculative + 1
         return choice
 

@@ -114,17 +114,19 @@ def test_a_step_of_more_trees_is_priced_by_its_own_measurements() -> None:
 def test_speculates_only_against_a_current_plain_time() -> None:
     """Speculation waits for `min_samples` plain steps of the rows it must beat; after
     `2 * refresh_every` decisions without one, a step decodes plainly to time it again, and
-    every `refresh_every` speculative steps verify the full tree."""
+    after every `refresh_every` speculative steps one request verifies the full tree."""
     policy = SpeculationPolicy(num_candidates=3, refresh_every=2, alpha=1.0, min_samples=2)
     policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)  # T = 3, 4, 4; S = 4, 5, 8
     for rows, seconds in [(4, 0.011), (5, 0.5), (8, 0.9)]:
         policy.observe_step(rows, seconds, num_trees=1)
-    choices = []
+    choices, refreshes = [], []
     for _ in range(10):
         choices.append(choose(policy, 0, 1))
+        refreshes.append(Method.GREEDY in policy.refreshing)
         if choices[-1] == 0:
             policy.observe_step(1, 0.010)
-    assert choices == [0, 0, 1, 1, 3, 1, 0, 1, 3, 1]
+    assert choices == [0, 0, 1, 1, 1, 1, 0, 1, 1, 1]
+    assert [i for i, r in enumerate(refreshes) if r] == [4, 8]
 
 
 def test_explores_again_after_many_plain_decisions() -> None:
@@ -225,8 +227,9 @@ def test_engine_stops_speculating_when_drafts_never_pay(
         spec, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, dtype=engine.runner.dtype,
         device="cpu",
     )  # fmt: skip
-    policy = SpeculationPolicy(5, refresh_every=1000)
-    engine.drafter = Drafter(clock.drafting(MLPProposer(speculator, (5, 3, 2), 5)), policy, 16)
+    proposer = MLPProposer(speculator, (5, 3, 2), 5)
+    policy = SpeculationPolicy(proposer.num_candidates, refresh_every=1000)
+    engine.drafter = Drafter(clock.drafting(proposer), policy, 16)
     prompt = list(chat_prompt_ids(path)[0])
     result = run(engine, [prompt], SamplingParams(max_new_tokens=64))
     compare_greedy(result.token_ids["0"], hf_greedy(path, tuple(prompt), 64))
@@ -246,3 +249,36 @@ def test_engine_keeps_speculating_when_drafts_pay(monkeypatch: pytest.MonkeyPatc
     result = run(engine, [prompt], SamplingParams(max_new_tokens=64))
     compare_greedy(result.token_ids["0"], ref)
     assert len(result.outputs["0"]) <= 64 // 5 + 4
+
+
+def test_a_refresh_gives_the_full_tree_to_one_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With four requests speculating, a refresh verifies the full tree for one of them; the
+    others keep the policy's choice, so a refresh costs one tree's rows, not four."""
+    path = model_path("tiny-llama-gqa-tied")
+    prompts = [list(p) for p in chat_prompt_ids(path)[:4]]
+    refs = [hf_greedy(path, tuple(p), 32) for p in prompts]
+    double = ScriptedProposer(
+        [p + r.token_ids for p, r in zip(prompts, refs, strict=True)],
+        accept_lengths=[1],
+        num_heads=3,
+        n_candidates=3,
+    )
+    engine = make_engine(path)
+    clock = StepClock(engine, monkeypatch)
+    policy = SpeculationPolicy(3, refresh_every=2, alpha=1.0, min_samples=1)
+    engine.drafter = Drafter(clock.drafting(double), policy, 16)
+    candidates_per_step: list[list[int]] = []
+    take_trees = engine.drafter.take_trees
+
+    def recorded() -> dict[str, DraftTree]:
+        trees = take_trees()
+        candidates_per_step.append(sorted(len(t.leaves) for t in trees.values()))
+        return trees
+
+    monkeypatch.setattr(engine.drafter, "take_trees", recorded)
+    result = run(engine, prompts, SamplingParams(max_new_tokens=32))
+    for i, ref in enumerate(refs):
+        compare_greedy(result.token_ids[str(i)], ref)
+    full_trees = [step.count(3) for step in candidates_per_step if len(step) == 4]
+    assert full_trees and max(full_trees) == 1  # never more than one full tree in a step
+    assert sum(full_trees) >= 2  # refreshes came
