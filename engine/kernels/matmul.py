@@ -199,7 +199,7 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
     ``lazy`` (so a kernel built before the weights load packs the loaded ones); made again at the
     next call whenever the layer's ``weights_version`` has changed since. Above `ROWS_MAX` rows
     it runs oneDNN (``F.linear`` where oneDNN is unavailable) on the layer's W^T instead."""
-    from engine.kernels.cpu import load_rows_gemm
+    from engine.kernels.rows import load_rows_gemm
 
     lib = load_rows_gemm()
     if lib is None:
@@ -243,7 +243,7 @@ def _build_rows_lazy(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
 def _has_rows_gemm(layer: MatmulLayer) -> bool:
     if not (_cpu_fp32(layer) and layer.storage.device.type == "cpu"):
         return False
-    from engine.kernels.cpu import load_rows_gemm
+    from engine.kernels.rows import load_rows_gemm
 
     return load_rows_gemm() is not None
 
@@ -296,7 +296,7 @@ _Plan = tuple[tuple[int, str, Callable[[MatmulLayer, dict[Any, Any]], KernelFn]]
 
 
 def _cpu_default() -> _Plan:
-    from engine.kernels.cpu import load_rows_gemm
+    from engine.kernels.rows import load_rows_gemm
 
     return _CPU_DEFAULT if load_rows_gemm() is not None else _CPU_FALLBACK
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from engine.kernels.autotune import select_kernels
-from engine.kernels.cpu import RowsGemm, load_rows_gemm
 from engine.kernels.matmul import ROWS_MAX
+from engine.kernels.rows import RowsGemm, load_rows_gemm
 from engine.layers.linear import Linear
 from engine.spec_decode.candidates import num_candidates
 from engine.spec_decode.mlp_speculator import (

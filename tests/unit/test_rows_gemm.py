@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.kernels.autotune import select_kernels
-from engine.kernels.cpu import RowsGemm, load_rows_gemm
 from engine.kernels.matmul import KERNELS
+from engine.kernels.rows import RowsGemm, load_rows_gemm
 from engine.layers.linear import Linear
 
 ROWS = [*range(1, 18), 24, 33]

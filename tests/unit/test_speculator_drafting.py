@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.kernels.cpu import load_rows_gemm
+from engine.kernels.rows import load_rows_gemm
 from engine.spec_decode import mlp_speculator
 from engine.spec_decode.candidates import coverage_picks, node_picks, num_candidates, tree_shape
 from engine.spec_decode.mlp_speculator import MLPSpeculator

@@ -1,0 +1,205 @@
+"""ctypes binding of `rows_gemm.c`, a float32 matrix product for few rows (`RowsGemm`, served as
+the "rows" linear kernel by `engine.kernels.matmul`, and on int8 weights as the speculator's
+vocabulary heads), built for this CPU by `engine.kernels.cpu.load_library`. Without a C compiler
+`load_rows_gemm` returns None and the "rows" kernel is not offered.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from engine.kernels.cpu import load_library
+
+logger = logging.getLogger(__name__)
+
+ROWS_SOURCE = Path(__file__).with_name("rows_gemm.c")
+# Extra flags per `load_rows_gemm` variant: its instruction-set path is chosen at compile time.
+ROWS_VARIANTS: dict[str, tuple[str, ...]] = {
+    "native": ("-pthread",),
+    "avx2": ("-pthread", "-mno-avx512f"),
+    "scalar": ("-pthread", "-DSPECSERVE_SCALAR"),
+}
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class RowsGemm:
+    """`rows_gemm.c`: y [M, out] = x [M, in] @ W^T (+ bias) in float32 for few rows, on a
+    process-wide pool of threads (the caller plus ``threads - 1`` workers).
+
+    ``pack`` copies a layer's W^T into the panel layout the kernel streams; ``matmul`` runs on
+    such a copy. ``matmul_inplace`` reads W^T itself, 16-column panels at its row stride, where
+    the output features are a multiple of 16 (no copy, but slower: each step of a panel is a
+    row of W^T away from the last). ``pack_q8`` / ``matmul_q8`` are the same on int8 weights
+    with a float32 scale per output feature (a quarter of the weight bytes to stream; for
+    products that may be approximate, such as a speculator's vocabulary heads). ``isa`` names
+    the compiled path: "avx512", "avx2" or "scalar". Calls from several Python threads are
+    serialised inside the library.
+    """
+
+    PANEL = 16  # columns per packed panel
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for name, argtypes, restype in [
+            ("rows_gemm", [_P, _I, _P, _P, _P, _I, _I, _I], ctypes.c_int),
+            ("rows_gemm_inplace", [_P, _I, _P, _I, _P, _P, _I, _I, _I], ctypes.c_int),
+            ("rows_gemm_pack", [_P, _I, _I, _I, _P], None),
+            ("rows_gemm_q8", [_P, _I, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
+            ("rows_gemm_pack_q8", [_P, _I, _I, _I, _P, _P], None),
+            ("rows_gemm_packed_size", [_I, _I], _I),
+            ("rows_gemm_set_threads", [ctypes.c_int], None),
+            ("rows_gemm_get_threads", [], ctypes.c_int),
+            ("rows_gemm_set_spin_us", [_I], None),
+            ("rows_gemm_set_chunk_bytes", [_I], None),
+            ("rows_gemm_set_group_rows", [ctypes.c_int], None),
+            ("rows_gemm_get_group_rows", [], ctypes.c_int),
+            ("rows_gemm_isa", [], ctypes.c_char_p),
+        ]:
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = restype
+        self._run = lib.rows_gemm
+        self._run_inplace = lib.rows_gemm_inplace
+        self._run_q8 = lib.rows_gemm_q8
+        self.isa: str = lib.rows_gemm_isa().decode()
+
+    @property
+    def threads(self) -> int:
+        """Threads per call, the caller included."""
+        return int(self.lib.rows_gemm_get_threads())
+
+    def set_threads(self, n: int) -> None:
+        """Threads per call, the caller included (clamped to 1..256); workers start lazily."""
+        self.lib.rows_gemm_set_threads(n)
+
+    def set_spin_us(self, us: int) -> None:
+        """How long an idle worker spins for the next call before it sleeps."""
+        self.lib.rows_gemm_set_spin_us(us)
+
+    def set_chunk_bytes(self, nbytes: int) -> None:
+        """Weight bytes per unit of work that the threads claim."""
+        self.lib.rows_gemm_set_chunk_bytes(nbytes)
+
+    @property
+    def group_rows(self) -> int:
+        """Rows per pass over the weights."""
+        return int(self.lib.rows_gemm_get_group_rows())
+
+    def set_group_rows(self, rows: int) -> None:
+        """Rows per pass over the weights (clamped to 1..the path's tile limit); more rows are
+        served in equal groups, the later ones reading the weights from cache."""
+        self.lib.rows_gemm_set_group_rows(rows)
+
+    def pack(self, wt: torch.Tensor) -> torch.Tensor:
+        """W^T [in, out] float32 (last dim contiguous) -> packed copy, [ceil(out/16), in, 16]
+        contiguous, the last panel zero-padded."""
+        k, n = wt.shape
+        panels = -(-n // self.PANEL)
+        packed = torch.empty((panels, k, self.PANEL), dtype=torch.float32)  # [P, in, 16]
+        self.lib.rows_gemm_pack(wt.data_ptr(), wt.stride(0), k, n, packed.data_ptr())
+        return packed
+
+    def pack_q8(self, wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """W^T [in, out] float32 (last dim contiguous) -> (packed int8 [ceil(out/16), in, 16]
+        contiguous, the last panel zero-padded; scales float32 [ceil(out/16) * 16], padding 0).
+        Symmetric per output feature j: scales[j] = max |W^T[:, j]| / 127 (0 for a column of
+        zeros), packed = W^T / scales[j] rounded to nearest (ties to even), in [-127, 127]."""
+        k, n = wt.shape
+        panels = -(-n // self.PANEL)
+        packed = torch.empty((panels, k, self.PANEL), dtype=torch.int8)  # [P, in, 16]
+        scales = torch.empty(panels * self.PANEL, dtype=torch.float32)  # [P * 16]
+        self.lib.rows_gemm_pack_q8(
+            wt.data_ptr(), wt.stride(0), k, n, packed.data_ptr(), scales.data_ptr()
+        )
+        return packed, scales
+
+    def pad_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        """bias [out] -> [ceil(out/16) * 16], zero-padded, as ``matmul`` reads it."""
+        n = bias.shape[0]
+        out = torch.zeros(-(-n // self.PANEL) * self.PANEL, dtype=torch.float32)
+        out[:n] = bias
+        return out
+
+    def matmul(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, in] float32 (M >= 1) @ W^T -> y [M, n] float32, W packed by ``pack`` (n = out
+        features); plus ``bias`` from ``pad_bias`` when given."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
+        rc = self._run(
+            x.data_ptr(), x.stride(0), packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("rows_gemm: no memory for a copy of x")
+        return y
+
+    def matmul_q8(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [M, in] float32 (M >= 1) @ (packed * scales)^T -> y [M, n] float32, ``packed``
+        and ``scales`` from ``pack_q8`` (n = out features); plus ``bias`` from ``pad_bias``
+        when given. Sums in float32 in the order of ``matmul``."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
+        rc = self._run_q8(
+            x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("rows_gemm: no memory for a copy of x")
+        return y
+
+    def matmul_inplace(
+        self, x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, in] float32 (M >= 1) @ wt -> y [M, out] float32, reading W^T ``wt`` [in, out]
+        (last dim contiguous, out a multiple of 16) in place; plus ``bias`` [out] when given.
+        ValueError if out is not a multiple of 16."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        n = wt.shape[1]
+        y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
+        rc = self._run_inplace(
+            x.data_ptr(), x.stride(0), wt.data_ptr(), wt.stride(0),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n,
+        )  # fmt: skip
+        if rc == -2:
+            raise ValueError(f"rows_gemm_inplace: out features {n} not a multiple of 16")
+        if rc != 0:
+            raise MemoryError("rows_gemm: no memory for a copy of x")
+        return y
+
+
+@functools.cache
+def load_rows_gemm(
+    variant: Literal["native", "avx2", "scalar"] = "native",
+) -> RowsGemm | None:
+    """`rows_gemm.c` built for this CPU ("native": AVX-512 or AVX2 as the CPU has them),
+    without AVX-512 ("avx2", on a CPU that has AVX2) or as portable C ("scalar"); None (logged)
+    where it cannot be built or loaded."""
+    try:
+        return RowsGemm(load_library(ROWS_SOURCE, ROWS_VARIANTS[variant]))
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        logger.warning("rows_gemm (%s) unavailable: %s", variant, e)
+        return None
