@@ -312,15 +312,23 @@ typedef struct {
     float *y;
     int64_t m, k, n;
     int64_t group;   /* rows per pass over the weights, <= MR_MAX */
-    int64_t nchunks; /* chunk c holds panels [c * npanels / nchunks, (c + 1) * npanels / nchunks) */
+    int64_t nchunks; /* chunk c holds units [c * nunits / nchunks, (c + 1) * nunits / nchunks) */
 } job_t;
+
+/* Chunks hold whole tiles: units of TILE_NB[group] panels (the last unit may be short), so that
+ * a chunk runs its first group's main tile throughout and no remainder of single panels. */
+static inline int64_t tile_units(int64_t npanels, int64_t group) {
+    return (npanels + TILE_NB[group] - 1) / TILE_NB[group];
+}
 
 /* One chunk's panels for all rows, a row group at a time (later groups re-read the chunk's
  * weights from cache). */
 static void run_chunk(const job_t *job, int64_t c) {
     const int64_t npanels = (job->n + PANEL - 1) / PANEL;
-    const int64_t p0 = c * npanels / job->nchunks;
-    const int64_t p1 = (c + 1) * npanels / job->nchunks;
+    const int64_t unit = TILE_NB[job->group], nunits = tile_units(npanels, job->group);
+    const int64_t p0 = c * nunits / job->nchunks * unit;
+    const int64_t p1_units = (c + 1) * nunits / job->nchunks * unit;
+    const int64_t p1 = p1_units < npanels ? p1_units : npanels;
     const int64_t k = job->k;
     const tile_fn *tile_main = TILE_MAIN[job->fmt], *tile_one = TILE_ONE[job->fmt];
     const int64_t panel_bytes = job->ps * FMT_BYTES[job->fmt];
@@ -591,11 +599,11 @@ static int run(const float *x, int64_t ldx, const void *w, const float *scales, 
     /* Row groups of equal size, at most group_rows each. */
     const int64_t gmax = RELAXED(pool.group_rows);
     const int64_t group = (m + (m + gmax - 1) / gmax - 1) / ((m + gmax - 1) / gmax);
-    /* About chunk_bytes of weights per chunk, a multiple of `threads` chunks, <= npanels. */
+    /* About chunk_bytes of weights per chunk, a multiple of `threads` chunks, <= the units. */
     const int64_t bytes = npanels * k * PANEL * FMT_BYTES[fmt];
     int64_t nchunks = (bytes + RELAXED(pool.chunk_bytes) - 1) / RELAXED(pool.chunk_bytes);
     nchunks = (nchunks + threads - 1) / threads * threads;
-    if (nchunks > npanels) nchunks = npanels;
+    if (nchunks > tile_units(npanels, group)) nchunks = tile_units(npanels, group);
     job_t job = {regroup(x, ldx, m, k, group), w, scales, fmt, ps, wk, bias, y, m, k, n, group,
                  nchunks};
     if (!job.x && k > 0) return -1;
