@@ -6,7 +6,8 @@ prompt's real final hidden state: a trained speculator's (`--speculator PATH`, d
 draft vocabulary when it has one) or a random one of the same shape over the whole vocabulary;
 `--worst-case` uses five disjoint paths instead (16 rows). It is verified whole and cut to its
 first `--rows` rows (4 and 8 by default), as the scheduler
-trims trees. The speculator's own drafting time is reported too, and per tree size
+trims trees. Per tree size the speculator's drafting time is reported too, as the engine drafts
+a tree it verifies whole (`MLPProposer.propose` asked for that many drafts), and
 (verify + drafting) / plain: what a step that gains tokens by speculation costs against a plain
 step. All of these are timed in one interleaved run. With `--temperature`, the speculator's
 tokens per verified tree on the held-out prompts is reported for greedy decoding and for
@@ -36,7 +37,7 @@ from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
 from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.mlp_speculator import CANDIDATE_SELECTIONS
-from engine.spec_decode.proposer import single_threaded_glue, use_engine_linears
+from engine.spec_decode.proposer import MLPProposer, ProposalInput
 from engine.spec_decode.tree import DraftTree
 from tools.tiny_speculator import write_tiny_speculator
 from training.evaluate import evaluate_speculator
@@ -121,12 +122,8 @@ def main() -> None:
 
     paths = [[t for t in path if t >= 0] for path in draft()[0].tolist()]  # "nodes": -1 below
     plain_draft_s = best_of(draft, args.repeats)
-    use_engine_linears(speculator)  # as MLPProposer serves it
-    plain_draft = draft
-
-    def draft() -> np.ndarray:
-        with single_threaded_glue(state.device):  # as MLPProposer.propose drafts
-            return plain_draft()
+    proposer = MLPProposer(speculator, args.top_k, args.candidates, args.selection)
+    proposal = ProposalInput(seq, [*prompt, int(last)], state[0], depth)
 
     if args.worst_case:
         paths = [[1000 * (c + 1) + d for d in range(depth)] for c in range(args.candidates)]
@@ -145,21 +142,24 @@ def main() -> None:
         )
         for rows, tree in trees.items()
     }
-    fns: dict[str, Callable[[], object]] = {"draft": draft}
+    fns: dict[str, Callable[[], object]] = {}
     with engine_step(llm, [prompt]) as plain:
         fns["plain"], fns["floor1"] = plain, matmul_floor(llm, 1)
         for rows, verify in verifies.items():
+            # as the engine drafts a tree of rows - 1 drafts, and verifies it
+            fns[f"draft{rows}"] = lambda rows=rows: proposer.propose([proposal], rows - 1)
             fns[f"verify{rows}"] = lambda verify=verify: runner.execute([verify])
             fns[f"floor{rows}"] = matmul_floor(llm, rows)
         times = {name: t * 1e3 for name, t in interleaved_min(fns, args.repeats).items()}
     kv.free(seq)
-    plain_ms, floor1_ms, draft_ms = times["plain"], times["floor1"], times["draft"]
+    plain_ms, floor1_ms = times["plain"], times["floor1"]
 
     def cost(rows: int) -> dict[str, float]:
-        verify_ms = times[f"verify{rows}"]
+        verify_ms, draft_ms = times[f"verify{rows}"], times[f"draft{rows}"]
         return {
             "rows": rows,
             "verify_step_ms": verify_ms,
+            "draft_ms": draft_ms,
             "matmul_floor_same_rows_ms": times[f"floor{rows}"],
             "verify_over_floor": verify_ms / times[f"floor{rows}"],
             "verify_over_plain": verify_ms / plain_ms,
@@ -178,7 +178,6 @@ def main() -> None:
         "matmul_floor_1_row_ms": floor1_ms,
         "speculator": str(args.speculator) if args.speculator else None,
         "draft_vocabulary_size": num_draft_tokens,
-        "draft_ms": draft_ms,
         "draft_nn_linear_ms": plain_draft_s * 1e3,
         "trees": costs,
     }
@@ -189,15 +188,16 @@ def main() -> None:
     )
     print(
         f"plain decode step {plain_ms:.2f}, its matmuls {floor1_ms:.2f}; speculator drafting "
-        f"{draft_ms:.2f} (nn.Linear: {plain_draft_s * 1e3:.2f}; from {num_draft_tokens} tokens)"
+        f"from {num_draft_tokens} tokens (the whole tree with nn.Linear: "
+        f"{plain_draft_s * 1e3:.2f})"
     )
-    print(f"{'rows':>5} {'verify':>8} {'matmuls':>8} {'verify/matmuls':>15} {'verify/plain':>13} "
-          f"{'(verify+draft)/plain':>21}")  # fmt: skip
+    print(f"{'rows':>5} {'verify':>8} {'matmuls':>8} {'drafting':>9} {'verify/matmuls':>15} "
+          f"{'verify/plain':>13} {'(verify+draft)/plain':>21}")  # fmt: skip
     for c in costs:
         print(
             f"{c['rows']:>5} {c['verify_step_ms']:>8.2f} {c['matmul_floor_same_rows_ms']:>8.2f} "
-            f"{c['verify_over_floor']:>15.3f} {c['verify_over_plain']:>13.3f} "
-            f"{c['verify_and_draft_over_plain']:>21.3f}"
+            f"{c['draft_ms']:>9.2f} {c['verify_over_floor']:>15.3f} "
+            f"{c['verify_over_plain']:>13.3f} {c['verify_and_draft_over_plain']:>21.3f}"
         )
     if args.temperature is not None:
         print(f"tokens per verified tree, {args.eval_prompts} held-out prompts:")

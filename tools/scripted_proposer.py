@@ -42,7 +42,10 @@ class ScriptedProposer:
     def num_candidates(self) -> int:
         return self.n_candidates
 
-    def propose(self, inputs: Sequence[ProposalInput]) -> list[DraftTree]:
+    def propose(
+        self, inputs: Sequence[ProposalInput], max_candidates: int | None = None
+    ) -> list[DraftTree]:
+        """Every tree whole: `max_candidates` only allows leaving candidates out."""
         return [self._tree(p) for p in inputs]
 
     def _truth(self, token_ids: Sequence[int], depth: int) -> list[int] | None:

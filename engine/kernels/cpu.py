@@ -52,7 +52,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     + [_I] * 5
     + [_F],
     "speculator_stage": [_P, _I, _P, _I, _I, _P, _F, _P, _P, _F, _P, _I],
-    "log_softmax_topk": [_P, _I, _I, _I, _P, _P],
+    "log_softmax_topk": [_P, _I, _I, _I, _P, _P, _P],
 }
 
 
@@ -139,15 +139,26 @@ class CpuKernels:
         return out
 
     def log_softmax_topk(
-        self, logits: torch.Tensor, k: int
+        self,
+        logits: torch.Tensor,  # [N, V]
+        k: int,
+        columns: torch.Tensor | None = None,  # [V] int64 contiguous
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [N, k] float32, [N, k] int64
-        """logits [N, V] contiguous -> the k largest log-probabilities of each row, in
-        descending order (ties: the lower column first), and their columns."""
+        """The k largest log-probabilities of each row of `logits`, in descending order (ties:
+        the lower column first), and their columns, or `columns[column]` when given (a draft
+        vocabulary's token ids)."""
         logits = logits.contiguous()
         n, v = logits.shape
+        if columns is not None and (columns.dtype != torch.int64 or columns.shape != (v,)):
+            raise ValueError(
+                f"columns must be [{v}] int64, got {columns.dtype} {list(columns.shape)}"
+            )
         top = torch.empty(n, k, dtype=torch.float32)
         ids = torch.empty(n, k, dtype=torch.int64)
-        self._log_softmax_topk(logits.data_ptr(), n, v, k, top.data_ptr(), ids.data_ptr())
+        self._log_softmax_topk(
+            logits.data_ptr(), n, v, k, 0 if columns is None else columns.contiguous().data_ptr(),
+            top.data_ptr(), ids.data_ptr(),
+        )  # fmt: skip
         return top, ids
 
 

@@ -325,9 +325,10 @@ void speculator_stage(const float *projected, int64_t proj_stride, const int64_t
 
 /* For each of n rows of logits [n, v]: its k (<= v) largest log-probabilities, logit minus the
  * row's log-sum-exp, in descending order (ties: the lower column first) into top_logprobs
- * [n, k], and their columns into top_ids [n, k]. */
-void log_softmax_topk(const float *logits, int64_t n, int64_t v, int64_t k, float *top_logprobs,
-                      int64_t *top_ids) {
+ * [n, k], and their columns into top_ids [n, k], as columns[column] where columns [v] is not
+ * NULL (a draft vocabulary's token ids). */
+void log_softmax_topk(const float *logits, int64_t n, int64_t v, int64_t k, const int64_t *columns,
+                      float *top_logprobs, int64_t *top_ids) {
     for (int64_t r = 0; r < n; r++) {
         const float *x = logits + r * v;
         float *best = top_logprobs + r * k;
@@ -360,5 +361,8 @@ void log_softmax_topk(const float *logits, int64_t n, int64_t v, int64_t k, floa
         for (int64_t j = 0; j < v; j++) sum += exp_poly(x[j] - max);
         const float lse = max + logf(sum);
         for (int64_t i = 0; i < k; i++) best[i] -= lse;
+        if (columns != NULL) {
+            for (int64_t i = 0; i < k; i++) ids[i] = columns[ids[i]];
+        }
     }
 }

@@ -101,6 +101,53 @@ def coverage_picks(
     return picks
 
 
+class NodeBudget:
+    """Drafting only the nodes `node_picks` can pick among its first `num_drafts`, on the host.
+
+    A head scores the children of the nodes worth expanding only: a node whose rank, in
+    `node_picks`' order over the nodes known so far, is `num_drafts - 1` or more has no child
+    among the first `num_drafts` picks (a child comes after its parent, and more known nodes
+    only push a rank down), and every picked node's parent is expanded. So the first
+    `num_drafts` picks of the `levels` kept here, where nodes never drafted are NaN (ranked
+    last) with token -1, are those of the whole tree.
+    """
+
+    def __init__(self, batch: int, num_drafts: int) -> None:
+        self.batch = batch
+        self.num_drafts = num_drafts
+        self.expanded = np.arange(batch)  # [E]: the nodes the next head scores, depth by depth
+        self.levels: list[tuple[np.ndarray, np.ndarray]] = []  # as `pick_candidates` takes them
+        self._scores: list[np.ndarray] = []  # per depth: [B, F_d] summed log-probabilities
+
+    def add(self, logprobs: np.ndarray, token_ids: np.ndarray, last: bool) -> np.ndarray | None:
+        """A head's top k [E, k] (float32 log-probabilities, int64 token ids) for the expanded
+        nodes; unless `last`, their children worth expanding become the expanded nodes. Returns
+        those children's rows in [E * k], or None when every child is worth expanding."""
+        k = logprobs.shape[1]
+        parents = self._scores[-1] if self._scores else np.zeros((self.batch, 1), np.float32)
+        num_nodes = parents.size  # at this depth, in all the batch
+        full_logprobs = np.full((num_nodes, k), np.nan, dtype=np.float32)  # [B * F, k]
+        full_ids = np.full((num_nodes, k), -1, dtype=np.int64)
+        full_logprobs[self.expanded] = logprobs
+        full_ids[self.expanded] = token_ids
+        self.levels.append((full_logprobs, full_ids))
+        scores = parents[:, :, None] + full_logprobs.reshape(self.batch, -1, k)  # [B, F, k]
+        self._scores.append(scores.reshape(self.batch, -1))
+        if last:
+            return None
+        children = (self.expanded[:, None] * k + np.arange(k)).reshape(-1)  # [E * k]
+        flat = np.concatenate(self._scores, axis=1)  # [B, nodes]
+        ranks = np.argsort(np.argsort(-flat, axis=1, kind="stable"), axis=1, kind="stable")
+        worth = ranks[:, -self._scores[-1].shape[1] :] < self.num_drafts - 1  # [B, F * k]
+        keep = worth.reshape(-1)[children]  # [E * k]
+        if keep.all():
+            self.expanded = children
+            return None
+        rows = np.flatnonzero(keep)
+        self.expanded = children[rows]
+        return rows
+
+
 def num_candidates(top_k: Sequence[int], n_candidates: int, selection: str) -> int:
     """How many candidates `pick_candidates` returns: `n_candidates` paths, or with "nodes"
     selection the drafts that many paths hold (`n_candidates * len(top_k)`), at most the
@@ -111,35 +158,32 @@ def num_candidates(top_k: Sequence[int], n_candidates: int, selection: str) -> i
 
 
 def pick_candidates(
-    host: np.ndarray,  # float64: per depth d, [B * F_(d-1), k_d] log-probs, then as many ids
+    levels: Sequence[tuple[np.ndarray, np.ndarray]],  # per depth d: [B * F_(d-1), k_d] each
     batch: int,
     top_k: Sequence[int],
     n_candidates: int,
     selection: str,
+    num_drafts: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # [B, N, D] int64 paths, [B, N] float32 scores
     """The N = `num_candidates(top_k, n_candidates, selection)` candidates of a top-k tree whose
-    heads' top-k log-probabilities and token ids are `host`, depth by depth, parents in
-    mixed-radix order (`MLPSpeculator.draft_candidates` makes it): each candidate's tokens and
-    summed log-probability (float32, summed in depth order). "joint" takes the leaves of highest
-    sum, "coverage" the leaves `coverage_picks` picks, "nodes" the nodes `node_picks` picks,
-    each as its path padded with -1 below the node."""
+    heads' top-k float32 log-probabilities and int64 token ids are `levels`, depth by depth,
+    parents in mixed-radix order (`MLPSpeculator.draft_candidates` makes them): each
+    candidate's tokens and summed log-probability (float32, summed in depth order). "joint"
+    takes the leaves of highest sum, "coverage" the leaves `coverage_picks` picks, "nodes" the
+    nodes `node_picks` picks (at most `num_drafts`, when given), each as its path padded with
+    -1 below the node."""
     widths = tuple(itertools.accumulate(top_k, operator.mul))  # [D]
     scores = np.zeros((batch, 1), dtype=np.float32)  # [B, F]
     prefix_scores: list[np.ndarray] = []  # per depth: [B, F_d] summed log-probabilities
-    node_tokens: list[np.ndarray] = []  # per depth: [B * F_d] token ids
-    offset = 0
-    for k, width in zip(top_k, widths, strict=True):
-        size = batch * width
-        step = host[offset : offset + size].astype(np.float32).reshape(batch, -1, k)
-        scores = (scores[:, :, None] + step).reshape(batch, width)
+    for (logprobs, _), k, width in zip(levels, top_k, widths, strict=True):
+        scores = (scores[:, :, None] + logprobs.reshape(batch, -1, k)).reshape(batch, width)
         prefix_scores.append(scores)  # [B, F_d]
-        node_tokens.append(host[offset + size : offset + 2 * size].astype(np.int64))
-        offset += 2 * size
-    all_tokens = np.concatenate([t.reshape(batch, -1) for t in node_tokens], 1)  # [B, nodes]
+    all_tokens = np.concatenate([ids.reshape(batch, -1) for _, ids in levels], 1)  # [B, nodes]
     rows = np.arange(batch)[:, None]  # [B, 1]
     shape = tree_shape(widths)
     if selection == "nodes":
-        best = node_picks(prefix_scores, num_candidates(top_k, n_candidates, selection))  # [B, N]
+        count = num_candidates(top_k, n_candidates, selection)
+        best = node_picks(prefix_scores, min(count, num_drafts or count))  # [B, N]
         nodes = shape.node_paths[best]  # [B, N, D], -1 below each node
         paths = np.where(nodes >= 0, all_tokens[rows[:, :, None], nodes], -1)  # [B, N, D]
         return paths, np.concatenate(prefix_scores, axis=1)[rows, best]

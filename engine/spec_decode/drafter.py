@@ -102,7 +102,7 @@ class Drafter:
             chosen = chosen[:1]
         if not chosen:
             return {}
-        trees = self.proposer.propose([p for p, _ in chosen])
+        trees = self.proposer.propose([p for p, _ in chosen], max(k for _, k in chosen))
         return {
             p.request_id: tree if k == full else tree.first_candidates(k)
             for (p, k), tree in zip(chosen, trees, strict=True)

@@ -35,7 +35,7 @@ from torch import nn
 
 from engine.config import CANDIDATE_SELECTIONS
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels
-from engine.spec_decode.candidates import pick_candidates
+from engine.spec_decode.candidates import NodeBudget, pick_candidates
 
 MODEL_TYPE = "mlp_speculator"
 DRAFT_VOCABULARY_FILE = "draft_vocabulary.json"
@@ -148,7 +148,7 @@ class SpeculatorNorm(nn.Module):
         return self.weight * _rms_normalize(x) + self.bias
 
 
-def _fused_kernels(state: torch.Tensor) -> CpuKernels | None:
+def fused_kernels(state: torch.Tensor) -> CpuKernels | None:
     """The fused C kernels of a stage and of a head's top k, for float32 on a CPU (where each
     replaces a dozen ATen ops on tensors of a few rows); None elsewhere."""
     if state.device.type != "cpu" or state.dtype != torch.float32:
@@ -294,6 +294,7 @@ class MLPSpeculator(nn.Module):
         top_k_tokens_per_head: Sequence[int],
         n_candidates: int,
         selection: str = "joint",
+        num_drafts: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:  # [B, N, n] int64 paths, [B, N] float32 scores
         """N = `candidates.num_candidates(top_k_tokens_per_head, n_candidates, selection)` paths and
         their summed log-probabilities, on the host, from a tree that branches into the top
@@ -304,34 +305,74 @@ class MLPSpeculator(nn.Module):
         adding the most expected accepted drafts to those already picked (`coverage_picks`);
         "nodes" takes the nodes of highest summed log-probability, as many as `n_candidates`
         paths hold drafts (`node_picks`), each as its path, padded with -1 below the node.
+        With "nodes" and `num_drafts`, N is at most `num_drafts`: the same first picks, and on
+        a CPU the heads score only the nodes those can descend from (`NodeBudget`).
 
         The stages and each head's top k run on `state`'s device; one copy brings the tree's
         log-probabilities and tokens to the host, where the selection is made."""
         check_tree_shape(self.config.n_predict, top_k_tokens_per_head, n_candidates)
         check_selection(selection)
         batch = state.shape[0]
-        # The frontier's nodes come in groups of siblings, which share their parent's state and
-        # so its projection: G groups (at first the roots) of c tokens each, F = G * c nodes.
+        budget = None
+        if num_drafts is not None and selection == "nodes" and state.device.type == "cpu":
+            budget = NodeBudget(batch, num_drafts)
+        # The nodes to expand come in groups of siblings, which share their parent's state and
+        # so its projection: G groups (at first the roots) of c tokens each, F = G * c nodes;
+        # or, where a budget leaves some siblings out, F groups of one, each node's parent at
+        # `parent_rows` of the projected states.
         parents = self.initial_state(state)  # [B * G, d]
         tokens = token_ids.view(batch, 1)  # [B * G, c]
-        levels: list[torch.Tensor] = []  # per head: [B * F, k] log-probabilities, then ids
-        fused = _fused_kernels(state)
+        parent_rows: torch.Tensor | None = None  # [F]
+        levels: list[tuple[torch.Tensor, torch.Tensor]] = []  # per head: [B * F, k] each
+        fused = fused_kernels(state)
+        vocabulary = self.draft_vocabulary
         for i, k in enumerate(top_k_tokens_per_head):
+            last = i + 1 == len(top_k_tokens_per_head)
+            if budget is not None and budget.expanded.size == 0:  # no node left worth drafting
+                budget.add(np.empty((0, k), np.float32), np.empty((0, k), np.int64), last)
+                continue
             projected = self.proj[i](parents)  # [B * G, d]
+            if parent_rows is not None:
+                projected = projected.index_select(0, parent_rows)  # [F, d]
             if fused is not None:
                 norm = cast(SpeculatorNorm, self.ln[i])
                 emb = cast(nn.Embedding, self.emb[i]).weight
                 parents = fused.speculator_stage(
                     projected, tokens, emb, self.emb_scale, norm.weight, norm.bias, _EPS
                 )  # [B * F, d]
-                top_logprobs, tokens = fused.log_softmax_topk(self.head[i](parents), k)
+                top_logprobs, tokens = fused.log_softmax_topk(self.head[i](parents), k, vocabulary)
             else:
                 parents = self._draft_stage(i, projected.unsqueeze(1), tokens)  # [B * F, d]
                 logprobs = self.head[i](parents).float().log_softmax(-1)  # [B * F, vocab or V']
                 top_logprobs, tokens = logprobs.topk(k, dim=-1)  # [B * F, k] each
-            if self.draft_vocabulary is not None:
-                tokens = self.draft_vocabulary[tokens]
-            levels += [top_logprobs, tokens]
-        # float64 holds both exactly: the one copy to the host
-        host = torch.cat([t.flatten().double() for t in levels]).cpu().numpy()
-        return pick_candidates(host, batch, top_k_tokens_per_head, n_candidates, selection)
+                if vocabulary is not None:
+                    tokens = vocabulary[tokens]
+            if budget is None:
+                levels.append((top_logprobs, tokens))
+                continue
+            rows = budget.add(top_logprobs.numpy(), tokens.numpy(), last)
+            parent_rows = None if rows is None else torch.from_numpy(rows // k)
+            if rows is not None:
+                tokens = tokens.reshape(-1, 1)[torch.from_numpy(rows)]  # [F, 1]
+        host = _levels_on_host(levels) if budget is None else budget.levels
+        return pick_candidates(
+            host, batch, top_k_tokens_per_head, n_candidates, selection, num_drafts
+        )
+
+
+def _levels_on_host(
+    levels: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per head: [B * F, k] log-probs, ids
+) -> list[tuple[np.ndarray, np.ndarray]]:  # the same as float32 and int64 arrays
+    """The heads' top-k log-probabilities and token ids on the host: views of CPU tensors, else
+    one device-to-host copy of them all (float64 holds both exactly)."""
+    if levels[0][0].device.type == "cpu":
+        return [(logprobs.float().numpy(), ids.numpy()) for logprobs, ids in levels]
+    host = torch.cat([t.flatten().double() for level in levels for t in level]).cpu().numpy()
+    arrays = []
+    offset = 0
+    for logprobs, _ in levels:
+        size = logprobs.numel()
+        values = host[offset : offset + 2 * size].reshape(2, *logprobs.shape)
+        arrays.append((values[0].astype(np.float32), values[1].astype(np.int64)))
+        offset += 2 * size
+    return arrays

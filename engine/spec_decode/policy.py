@@ -165,6 +165,7 @@ class SpeculationPolicy:
         ]
         best: dict[Method, int] = {}
         best_rate = 0.0
+        time_by_trees: dict[int, Callable[[int], float | None]] = {0: plain_time}
         for ks in itertools.product(*options):
             choice = {m: k for m, k in zip(counts, ks, strict=True) if k}
             tokens = rows = float(num_plain_rows)
@@ -172,8 +173,9 @@ class SpeculationPolicy:
                 t, r = self.acceptance[m].tokens_and_rows(choice.get(m, 0))
                 tokens, rows = tokens + n * t, rows + n * r
             num_trees = sum(counts[m] for m in choice)
-            time_of = self._spec_time(plain_time, num_trees) if num_trees else plain_time
-            seconds = time_of(round(rows))
+            if num_trees not in time_by_trees:
+                time_by_trees[num_trees] = self._spec_time(plain_time, num_trees)
+            seconds = time_by_trees[num_trees](round(rows))
             if seconds is None:  # no speculative step timed yet: try one
                 self.probing = True
                 return self._chosen(choice)

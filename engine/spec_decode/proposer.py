@@ -20,6 +20,7 @@ from engine.spec_decode.mlp_speculator import (
     MLPSpeculator,
     check_selection,
     check_tree_shape,
+    fused_kernels,
 )
 from engine.spec_decode.tree import DraftTree
 
@@ -49,8 +50,11 @@ class Proposer(Protocol):
         """Candidate paths per tree (trees list them in `leaves`, best first)."""
         ...
 
-    def propose(self, inputs: Sequence[ProposalInput]) -> list[DraftTree]:
-        """One tree per input, none deeper than its `max_depth` (>= 1)."""
+    def propose(
+        self, inputs: Sequence[ProposalInput], max_candidates: int | None = None
+    ) -> list[DraftTree]:
+        """One tree per input, none deeper than its `max_depth` (>= 1); with `max_candidates`,
+        only its first that many candidates are needed (the rest may be left out)."""
         ...
 
 
@@ -97,9 +101,9 @@ def use_engine_linears(speculator: MLPSpeculator) -> None:
     CPU its heads are vocabulary-sized, and drafting reads each of them at one to a few dozen
     rows, streaming weights that the base model's pass has just pushed out of the caches. With
     rows_gemm.c on a CPU in float32, the heads become `Int8Head`s and the projections keep the
-    engine Linear's default plan (the "rows" kernel up to `ROWS_MAX` rows, on its own threads
-    while `single_threaded_glue` holds torch to one); without it, selection by timing chooses
-    the kernels of float32 heads and projections as it does the base model's."""
+    engine Linear's default plan (the "rows" kernel up to `ROWS_MAX` rows, on its own threads);
+    without it, selection by timing chooses the kernels of float32 heads and projections as it
+    does the base model's."""
     param = next(speculator.parameters())
     lib = load_rows_gemm() if param.device.type == "cpu" else None
     swapped: dict[int, nn.Module] = {}
@@ -176,16 +180,26 @@ class MLPProposer:
     def num_candidates(self) -> int:
         return num_candidates(self.top_k_tokens_per_head, self.n_candidates, self.selection)
 
-    def propose(self, inputs: Sequence[ProposalInput]) -> list[DraftTree]:
+    def propose(
+        self, inputs: Sequence[ProposalInput], max_candidates: int | None = None
+    ) -> list[DraftTree]:
         if not inputs:
             return []
         param = next(self.speculator.parameters())
         states = torch.stack([p.hidden_state for p in inputs]).to(param.device, param.dtype)
         last = torch.tensor([p.token_ids[-1] for p in inputs], device=param.device)
         rows = len(inputs) * math.prod(self.top_k_tokens_per_head[:-1])  # the last head's input
-        with single_threaded_glue(param.device, rows <= ROWS_MAX and load_rows_gemm() is not None):
+        aten_ops = fused_kernels(states) is None  # the fused path has no torch op worth a pool
+        with single_threaded_glue(
+            param.device, aten_ops and rows <= ROWS_MAX and load_rows_gemm() is not None
+        ):
             paths, _ = self.speculator.draft_candidates(
-                states, last, self.top_k_tokens_per_head, self.n_candidates, self.selection
+                states,
+                last,
+                self.top_k_tokens_per_head,
+                self.n_candidates,
+                self.selection,
+                num_drafts=max_candidates,
             )  # [B, N, n_predict] on the host
         return [
             DraftTree.from_paths([[t for t in path if t >= 0] for path in candidates], p.max_depth)

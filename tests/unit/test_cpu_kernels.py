@@ -118,3 +118,6 @@ def test_log_softmax_topk_matches_aten(kernels: CpuKernels, rows: int, vocab: in
     torch.testing.assert_close(top.double(), ref_top, rtol=0, atol=2e-6)
     assert ids[0, :2].tolist() == [10, 90]
     assert torch.equal(logits.gather(1, ids), logits.topk(k, dim=-1).values)
+    columns = torch.randperm(50_000, generator=g)[:vocab]  # a draft vocabulary's token ids
+    mapped_top, mapped = kernels.log_softmax_topk(logits, k, columns)
+    assert torch.equal(mapped_top, top) and torch.equal(mapped, columns[ids])

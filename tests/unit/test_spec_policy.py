@@ -207,9 +207,11 @@ class StepClock:
     def drafting(self, proposer: Proposer) -> Proposer:
         propose = proposer.propose
 
-        def timed_propose(inputs: Sequence[ProposalInput]) -> list[DraftTree]:
+        def timed_propose(
+            inputs: Sequence[ProposalInput], max_candidates: int | None = None
+        ) -> list[DraftTree]:
             self.now += 0.001
-            return propose(inputs)
+            return propose(inputs, max_candidates)
 
         proposer.propose = timed_propose  # type: ignore[method-assign]
         return proposer

@@ -41,9 +41,9 @@ VOCAB, EMB_DIM, INNER_DIM = 120, 24, 16
 def drafting_ops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Which ops draft on the CPU: the fused C kernels, or the ATen ops of other devices."""
     if request.param == "aten":
-        monkeypatch.setattr(mlp_speculator, "_fused_kernels", lambda state: None)
+        monkeypatch.setattr(mlp_speculator, "fused_kernels", lambda state: None)
     else:
-        assert mlp_speculator._fused_kernels(torch.zeros(1)) is not None
+        assert mlp_speculator.fused_kernels(torch.zeros(1)) is not None
     return str(request.param)
 
 
@@ -151,14 +151,15 @@ def _check_against_reference(
     n: int,
     selection: str,
     vocab: list[int] | None,
+    num_drafts: int | None = None,
 ) -> None:
-    paths, scores = model.draft_candidates(states, tokens, top_k, n, selection)
-    num = num_candidates(top_k, n, selection)
+    paths, scores = model.draft_candidates(states, tokens, top_k, n, selection, num_drafts)
+    num = min(num_candidates(top_k, n, selection), num_drafts or 10**9)
     assert paths.shape == (states.shape[0], num, len(top_k)) and paths.dtype == np.int64
     assert scores.shape == (states.shape[0], num) and scores.dtype == np.float32
     for b in range(states.shape[0]):
         levels = _reference_tree(reference, states[b], int(tokens[b]), top_k, vocab)
-        expected = _reference_candidates(levels, n, selection)
+        expected = _reference_candidates(levels, n, selection)[:num]
         padded = [path + (-1,) * (len(top_k) - len(path)) for path, _ in expected]
         assert [tuple(p) for p in paths[b].tolist()] == padded
         for got, (_, score) in zip(scores[b].tolist(), expected, strict=True):
@@ -193,6 +194,49 @@ def test_candidates_match_the_per_node_reference(
                 model, reference, states, tokens, top_k, n, selection,
                 None if vocab is None else vocab.tolist(),
             )  # fmt: skip
+
+
+@pytest.mark.parametrize("engine_linears", [False, True])
+def test_a_budget_of_drafts_keeps_the_first_picks_and_scores_fewer_nodes(
+    engine_linears: bool,
+) -> None:
+    """Drafting "nodes" with `num_drafts` returns the whole tree's first picks (the
+    reference's), for every budget, while its last head scores only the nodes that can lead to
+    them."""
+    reference = _speculator(seed=12)
+    model = copy.deepcopy(reference)
+    if engine_linears:
+        use_engine_linears(model)
+        reference = _as_drafted(reference, model)
+    scored: list[int] = []
+    last_head = model.head[-1]
+    model.head[-1] = _Recorded(last_head, scored)
+    generator = torch.Generator().manual_seed(13)
+    for batch in (1, 3):
+        states = 2 * torch.randn(batch, EMB_DIM, generator=generator)
+        tokens = torch.randint(0, VOCAB, (batch,), generator=generator)
+        for top_k, n in (((5, 3, 2), 5), ((4, 2, 2), 16), ((2, 3, 2), 3)):
+            for num_drafts in range(1, num_candidates(top_k, n, "nodes") + 2):
+                scored.clear()
+                _check_against_reference(
+                    model, reference, states, tokens, top_k, n, "nodes", None, num_drafts
+                )
+                # a node with a picked child ranks before the last pick, so at most
+                # num_drafts - 1 nodes per request need their children scored
+                assert sum(scored) <= batch * max(num_drafts - 1, 0)
+
+
+class _Recorded(nn.Module):
+    """A module that records the rows it is given."""
+
+    def __init__(self, module: nn.Module, rows: list[int]) -> None:
+        super().__init__()
+        self.module = module
+        self.rows = rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return cast(torch.Tensor, self.module(x))
 
 
 @pytest.mark.parametrize("n_predict", [1, 2, 4])
