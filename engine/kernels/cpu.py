@@ -53,6 +53,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     + [_F],
     "speculator_stage": [_P, _I, _P, _I, _I, _P, _F, _P, _P, _F, _P, _I],
     "log_softmax_topk": [_P, _I, _I, _I, _P, _P, _P],
+    "speculator_draft": [_P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _I, _P, _F, _F, _I, _I] + [_P] * 4,
 }
 
 
@@ -72,6 +73,8 @@ class CpuKernels:
         self.store_and_attend = lib.store_and_attend  # called by CpuAttentionBackend
         self._speculator_stage = lib.speculator_stage
         self._log_softmax_topk = lib.log_softmax_topk
+        self._speculator_draft = lib.speculator_draft
+        self._speculator_draft.restype = ctypes.c_int
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [N, d] (any row stride) -> x * rsqrt(mean(x^2) + eps) * weight, [N, d]."""
@@ -160,6 +163,44 @@ class CpuKernels:
             top.data_ptr(), ids.data_ptr(),
         )  # fmt: skip
         return top, ids
+
+    def speculator_draft(
+        self,
+        states: torch.Tensor,  # [B, d_in], any row stride
+        root_tokens: torch.Tensor,  # [B] int64
+        heads: torch.Tensor,  # [n_heads, 7] int64 addresses, as cpu_kernels.c lists them
+        top_k: torch.Tensor,  # [n_heads] int64, each <= 256
+        inner_dim: int,
+        vocab: int,  # the heads' outputs
+        columns: torch.Tensor | None,  # [vocab] int64: the tokens of the heads' columns
+        emb_scale: float,
+        eps: float,
+        scale_input: bool,
+        num_drafts: int,
+        matmul_q8: int,  # rows_gemm_q8's address
+    ) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
+        """`speculator_draft`: per request, the first `num_drafts` nodes of a speculator's top-k
+        tree in node_picks' order, as token ids and parents (the parent's position in the
+        list, -1 for the root), and their scores [B, num_drafts] float32 (NaN past a request's
+        nodes). MemoryError if the kernel runs out of memory."""
+        batch, d_in = states.shape
+        tokens = torch.empty(batch, num_drafts, dtype=torch.int64)
+        parents = torch.empty(batch, num_drafts, dtype=torch.int64)
+        scores = torch.full((batch, num_drafts), float("nan"), dtype=torch.float32)
+        counts = torch.empty(batch, dtype=torch.int64)
+        root_tokens = root_tokens.to(torch.int64).contiguous()
+        rc = self._speculator_draft(
+            states.data_ptr(), states.stride(0), root_tokens.data_ptr(), batch, d_in, inner_dim,
+            int(scale_input), heads.data_ptr(), top_k.data_ptr(), len(top_k), vocab,
+            0 if columns is None else columns.data_ptr(), emb_scale, eps, num_drafts, matmul_q8,
+            tokens.data_ptr(), parents.data_ptr(), scores.data_ptr(), counts.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("speculator_draft: out of memory")
+        n = counts.tolist()
+        token_ids = [row[:c] for row, c in zip(tokens.tolist(), n, strict=True)]
+        parent_ids = [row[:c] for row, c in zip(parents.tolist(), n, strict=True)]
+        return token_ids, parent_ids, scores
 
 
 def _cpu_signature() -> str:

@@ -39,7 +39,7 @@ from engine.spec_decode.candidates import NodeBudget, pick_candidates
 
 MODEL_TYPE = "mlp_speculator"
 DRAFT_VOCABULARY_FILE = "draft_vocabulary.json"
-_EPS = 1e-6
+NORM_EPS = 1e-6  # the norms' epsilon, and scale_input's
 
 
 def default_top_k_tokens_per_head(n_predict: int) -> tuple[int, ...]:
@@ -157,7 +157,7 @@ def fused_kernels(state: torch.Tensor) -> CpuKernels | None:
 
 
 def _rms_normalize(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _EPS)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS)
 
 
 class MLPSpeculator(nn.Module):
@@ -269,7 +269,7 @@ class MLPSpeculator(nn.Module):
         norm = cast(SpeculatorNorm, self.ln[i])
         weight = cast(nn.Embedding, self.emb[i]).weight
         x = F.embedding(token_ids, weight).mul_(self.emb_scale).add_(projected)  # [G, c, d]
-        x.mul_(x.pow(2).mean(-1, keepdim=True).add_(_EPS).rsqrt_())
+        x.mul_(x.pow(2).mean(-1, keepdim=True).add_(NORM_EPS).rsqrt_())
         return F.gelu(x.mul_(norm.weight).add_(norm.bias)).flatten(0, 1)
 
     def forward(
@@ -338,7 +338,7 @@ class MLPSpeculator(nn.Module):
                 norm = cast(SpeculatorNorm, self.ln[i])
                 emb = cast(nn.Embedding, self.emb[i]).weight
                 parents = fused.speculator_stage(
-                    projected, tokens, emb, self.emb_scale, norm.weight, norm.bias, _EPS
+                    projected, tokens, emb, self.emb_scale, norm.weight, norm.bias, NORM_EPS
                 )  # [B * F, d]
                 top_logprobs, tokens = fused.log_softmax_topk(self.head[i](parents), k, vocabulary)
             else:

@@ -13,15 +13,12 @@ from torch import nn
 
 from engine.kernels.autotune import select_kernels
 from engine.kernels.matmul import ROWS_MAX
-from engine.kernels.rows import RowsGemm, load_rows_gemm
+from engine.kernels.rows import load_rows_gemm
 from engine.layers.linear import Linear
+from engine.spec_decode import mlp_speculator
 from engine.spec_decode.candidates import num_candidates
-from engine.spec_decode.mlp_speculator import (
-    MLPSpeculator,
-    check_selection,
-    check_tree_shape,
-    fused_kernels,
-)
+from engine.spec_decode.fused_drafting import FusedNodeDrafting, Int8Head
+from engine.spec_decode.mlp_speculator import MLPSpeculator, check_selection, check_tree_shape
 from engine.spec_decode.tree import DraftTree
 
 
@@ -72,38 +69,14 @@ class _FlatLinear(nn.Module):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
-class Int8Head(nn.Module):
-    """A vocabulary head streamed as int8 weights with one float32 scale per output token (the
-    "rows" kernel's q8 format, `RowsGemm.pack_q8`): a quarter of float32's bytes, for drafting
-    on a CPU, where reading the heads dominates. Sums are float32. Quantising a head can change
-    which tokens are drafted, never which are emitted: the base model verifies every draft."""
-
-    def __init__(self, weight: torch.Tensor, lib: RowsGemm) -> None:  # weight [out, in] float32
-        super().__init__()
-        self.lib = lib
-        self.out_features = weight.shape[0]
-        # [ceil(out / 16), in, 16] int8, [ceil(out / 16) * 16] float32
-        self.packed, self.scales = lib.pack_q8(weight.detach().t().contiguous())
-
-    def dequantized(self) -> torch.Tensor:  # [out, in] float32
-        """The weight this head multiplies by: int8 values times their token's scale."""
-        rows = self.packed.permute(0, 2, 1).flatten(0, 1).float()  # [ceil(out / 16) * 16, in]
-        return (rows * self.scales[:, None])[: self.out_features]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = x.reshape(-1, x.shape[-1])  # [N, in]
-        y = self.lib.matmul_q8(rows, self.packed, self.scales, self.out_features)  # [N, out]
-        return y.view(*x.shape[:-1], self.out_features)
-
-
 def use_engine_linears(speculator: MLPSpeculator) -> None:
     """Swap the speculator's `nn.Linear`s (each shared one once) for the engine's kernels: on a
     CPU its heads are vocabulary-sized, and drafting reads each of them at one to a few dozen
     rows, streaming weights that the base model's pass has just pushed out of the caches. With
-    rows_gemm.c on a CPU in float32, the heads become `Int8Head`s and the projections keep the
-    engine Linear's default plan (the "rows" kernel up to `ROWS_MAX` rows, on its own threads);
-    without it, selection by timing chooses the kernels of float32 heads and projections as it
-    does the base model's."""
+    rows_gemm.c on a CPU in float32, the heads and projections become `Int8Head`s (a quarter of
+    the bytes to stream; drafting then runs whole in C, `FusedNodeDrafting`); without it,
+    selection by timing chooses the kernels of float32 heads and projections as it does the
+    base model's."""
     param = next(speculator.parameters())
     lib = load_rows_gemm() if param.device.type == "cpu" else None
     swapped: dict[int, nn.Module] = {}
@@ -113,7 +86,7 @@ def use_engine_linears(speculator: MLPSpeculator) -> None:
                 continue
             if id(layer) not in swapped:
                 weight = layer.weight.detach()
-                if stages is speculator.head and lib is not None and weight.dtype == torch.float32:
+                if lib is not None and weight.dtype == torch.float32:
                     swapped[id(layer)] = Int8Head(weight, lib)
                 else:
                     fast = Linear(
@@ -171,6 +144,12 @@ class MLPProposer:
         self.n_candidates = n_candidates or config.n_candidates
         self.selection = selection
         check_tree_shape(config.n_predict, self.top_k_tokens_per_head, self.n_candidates)
+        self.fused: FusedNodeDrafting | None = None  # "nodes" trees in one C call, on a CPU
+        param = next(speculator.parameters())
+        kernels, lib = mlp_speculator.fused_kernels(param), load_rows_gemm()
+        int8 = all(isinstance(m, Int8Head) for m in (*speculator.proj, *speculator.head))
+        if selection == "nodes" and int8 and kernels is not None and lib is not None:
+            self.fused = FusedNodeDrafting(speculator, kernels, lib)
 
     @property
     def num_heads(self) -> int:
@@ -187,9 +166,18 @@ class MLPProposer:
             return []
         param = next(self.speculator.parameters())
         states = torch.stack([p.hidden_state for p in inputs]).to(param.device, param.dtype)
+        if self.fused is not None and mlp_speculator.fused_kernels(states) is not None:
+            num_drafts = min(max_candidates or self.num_candidates, self.num_candidates)
+            return self.fused.draft(
+                states,
+                [p.token_ids[-1] for p in inputs],
+                self.top_k_tokens_per_head,
+                num_drafts,
+                [p.max_depth for p in inputs],
+            )
         last = torch.tensor([p.token_ids[-1] for p in inputs], device=param.device)
         rows = len(inputs) * math.prod(self.top_k_tokens_per_head[:-1])  # the last head's input
-        aten_ops = fused_kernels(states) is None  # the fused path has no torch op worth a pool
+        aten_ops = mlp_speculator.fused_kernels(states) is None  # fused: no torch op for a pool
         with single_threaded_glue(
             param.device, aten_ops and rows <= ROWS_MAX and load_rows_gemm() is not None
         ):

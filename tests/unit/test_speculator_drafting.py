@@ -24,13 +24,9 @@ from torch import nn
 from engine.kernels.rows import load_rows_gemm
 from engine.spec_decode import mlp_speculator
 from engine.spec_decode.candidates import coverage_picks, node_picks, num_candidates, tree_shape
+from engine.spec_decode.fused_drafting import Int8Head
 from engine.spec_decode.mlp_speculator import MLPSpeculator
-from engine.spec_decode.proposer import (
-    Int8Head,
-    MLPProposer,
-    ProposalInput,
-    use_engine_linears,
-)
+from engine.spec_decode.proposer import MLPProposer, ProposalInput, use_engine_linears
 from engine.spec_decode.tree import DraftTree
 from tests.reference import random_speculator
 
@@ -61,10 +57,12 @@ def _speculator(
 def _as_drafted(
     reference: MLPSpeculator, model: MLPSpeculator, vocab: torch.Tensor | None = None
 ) -> MLPSpeculator:
-    """`reference` with the head weights `model` multiplies by: its `Int8Head`s dequantised
-    (rows `vocab` of the full heads where `model` drafts from that subset)."""
+    """`reference` with the weights `model` multiplies by: its `Int8Head` projections and heads
+    dequantised (rows `vocab` of the full heads where `model` drafts from that subset)."""
     drafted = copy.deepcopy(reference)
-    for i, head in enumerate(model.head):
+    for i, (proj, head) in enumerate(zip(model.proj, model.head, strict=True)):
+        if isinstance(proj, Int8Head):
+            _param(drafted.proj[i]).copy_(proj.dequantized())
         if isinstance(head, Int8Head):
             target = _param(drafted.head[i])
             target[slice(None) if vocab is None else vocab] = head.dequantized()
@@ -311,6 +309,38 @@ def test_the_proposer_drafts_the_candidates_as_trees() -> None:
         assert proposer.num_candidates == 15 and len(tree.leaves) == 15
         if p.max_depth == 3:  # each candidate adds one node: any k of them are a k-draft tree
             assert tree.leaves == tuple(range(1, 16))
+
+
+@pytest.mark.parametrize(
+    ("tie", "scale", "restricted"), [(False, False, False), (True, True, True), (False, True, True)]
+)
+def test_the_proposer_drafts_the_first_nodes_it_is_asked_for(
+    tie: bool, scale: bool, restricted: bool, drafting_ops: str
+) -> None:
+    """With "nodes" selection (on a CPU with the fused kernels: `FusedNodeDrafting`, one C
+    call) and `max_candidates`, each request's tree is the reference's first picks, cut to the
+    request's depth."""
+    reference = _speculator(tie=tie, scale=scale, seed=16)
+    model = copy.deepcopy(reference)
+    vocab = None
+    if restricted:
+        vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(17))[:40]
+        model.restrict_vocabulary(vocab)
+    proposer = MLPProposer(model, (4, 2, 2), 5)
+    assert (proposer.fused is not None) == (drafting_ops == "fused")
+    reference = _as_drafted(reference, proposer.speculator, vocab)
+    states = 2 * torch.randn(3, EMB_DIM, generator=torch.Generator().manual_seed(18))
+    inputs = [
+        ProposalInput(f"r{b}", [1, 2, 10 * b + 3], states[b], max_depth)
+        for b, max_depth in enumerate((3, 3, 2))
+    ]
+    columns = None if vocab is None else vocab.tolist()
+    for max_candidates in (1, 2, 5, 9, 15, 20):
+        trees = proposer.propose(inputs, max_candidates)
+        for p, tree in zip(inputs, trees, strict=True):
+            levels = _reference_tree(reference, p.hidden_state, p.token_ids[-1], (4, 2, 2), columns)
+            nodes = _reference_candidates(levels, 5, "nodes")[:max_candidates]
+            assert tree == DraftTree.from_paths([path for path, _ in nodes], p.max_depth)
 
 
 def test_int8_heads_round_each_weight_to_its_tokens_scale() -> None:

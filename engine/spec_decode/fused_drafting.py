@@ -1,0 +1,117 @@
+"""A whole "nodes" draft tree in one C call on a CPU (`cpu_kernels.c` `speculator_draft`).
+
+Drafting an MLP speculator's tree takes a few dozen small operations: per head a projection, a
+stage, the head's product and its top k, then the selection on the host. After a decode step has
+streamed the base model's weights through the caches, each of those operations made from Python
+costs several times its arithmetic. `speculator_draft` runs them all in C, the products by
+`rows_gemm_q8` on int8 projections and heads (`Int8Head`), and scores only the nodes the first
+`num_drafts` picks can descend from (as `NodeBudget` does). The picks are those of
+`MLPSpeculator.draft_candidates` with "nodes" selection on the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+from torch import nn
+
+from engine.kernels.cpu import CpuKernels
+from engine.kernels.rows import RowsGemm
+from engine.spec_decode.mlp_speculator import NORM_EPS, MLPSpeculator, SpeculatorNorm
+from engine.spec_decode.tree import DraftTree
+
+
+class Int8Head(nn.Module):
+    """A vocabulary head streamed as int8 weights with one float32 scale per output token (the
+    "rows" kernel's q8 format, `RowsGemm.pack_q8`): a quarter of float32's bytes, for drafting
+    on a CPU, where reading the heads dominates. Sums are float32. Quantising a head can change
+    which tokens are drafted, never which are emitted: the base model verifies every draft."""
+
+    def __init__(self, weight: torch.Tensor, lib: RowsGemm) -> None:  # weight [out, in] float32
+        super().__init__()
+        self.lib = lib
+        self.out_features = weight.shape[0]
+        # [ceil(out / 16), in, 16] int8, [ceil(out / 16) * 16] float32
+        self.packed, self.scales = lib.pack_q8(weight.detach().t().contiguous())
+
+    def dequantized(self) -> torch.Tensor:  # [out, in] float32
+        """The weight this head multiplies by: int8 values times their token's scale."""
+        rows = self.packed.permute(0, 2, 1).flatten(0, 1).float()  # [ceil(out / 16) * 16, in]
+        return (rows * self.scales[:, None])[: self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1])  # [N, in]
+        y = self.lib.matmul_q8(rows, self.packed, self.scales, self.out_features)  # [N, out]
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class FusedNodeDrafting:
+    """`speculator_draft` over `speculator`, whose projections and heads must all be int8 (they
+    are read in place: its modules must stay as they are)."""
+
+    def __init__(self, speculator: MLPSpeculator, kernels: CpuKernels, lib: RowsGemm) -> None:
+        """ValueError unless every projection and head is an `Int8Head` of `lib`."""
+        fields = []
+        for i in range(speculator.config.n_predict):
+            proj, head = speculator.proj[i], speculator.head[i]
+            if not isinstance(proj, Int8Head) or not isinstance(head, Int8Head):
+                raise ValueError("fused drafting needs int8 projections and heads")
+            norm = cast(SpeculatorNorm, speculator.ln[i])
+            emb = cast(nn.Embedding, speculator.emb[i]).weight
+            tensors: tuple[torch.Tensor, ...] = (proj.packed, proj.scales, emb, norm.weight)
+            tensors += (norm.bias, head.packed, head.scales)
+            if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+                raise ValueError("fused drafting needs contiguous CPU tensors")
+            fields.append([t.data_ptr() for t in tensors])
+        self.speculator = speculator
+        self.kernels = kernels
+        self.lib = lib
+        self.heads = torch.tensor(fields, dtype=torch.int64)  # [n_heads, 7] addresses
+        self.vocab = cast(Int8Head, speculator.head[0]).out_features
+
+    def draft(
+        self,
+        states: torch.Tensor,  # [B, emb_dim] float32
+        root_tokens: Sequence[int],
+        top_k: Sequence[int],
+        num_drafts: int,
+        max_depths: Sequence[int],
+    ) -> list[DraftTree]:
+        """Per request, the tree of the first `num_drafts` nodes of the top-k tree in node_picks'
+        order (every node after its parent), cut to `max_depths[b]` drafts deep as
+        `DraftTree.from_paths` cuts paths."""
+        spec = self.speculator
+        vocabulary = spec.draft_vocabulary
+        token_ids, parents, _ = self.kernels.speculator_draft(
+            states,
+            torch.tensor(root_tokens, dtype=torch.int64),
+            self.heads,
+            torch.tensor(top_k, dtype=torch.int64),
+            spec.config.inner_dim,
+            self.vocab,
+            vocabulary,
+            spec.emb_scale,
+            NORM_EPS,
+            spec.config.scale_input,
+            num_drafts,
+            self.lib.q8_address,
+        )
+        return [_node_tree(t, p, d) for t, p, d in zip(token_ids, parents, max_depths, strict=True)]
+
+
+def _node_tree(token_ids: list[int], parents: list[int], max_depth: int) -> DraftTree:
+    """The tree of nodes given in an order that puts parents first (`parents[j]`: the position
+    of node j's parent, -1 for the root), each node a candidate; as `DraftTree.from_paths`
+    makes it from the nodes' paths, cut to `max_depth` drafts."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    if max(depths, default=0) <= max_depth:
+        leaves = tuple(range(1, len(token_ids) + 1))
+        return DraftTree(tuple(token_ids), tuple(p + 1 for p in parents), leaves)
+    paths: list[tuple[int, ...]] = []
+    for t, p in zip(token_ids, parents, strict=True):
+        paths.append((*(paths[p] if p >= 0 else ()), t))
+    return DraftTree.from_paths(paths, max_depth)
