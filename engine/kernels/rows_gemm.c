@@ -47,11 +47,13 @@
 
 #define PANEL 16
 /* Weights are prefetched this many k steps of float weights ahead (one 64-byte line per panel
- * and step); q8 weights, a quarter of the bytes per step, the same distance in bytes. */
+ * and step); q8 weights, a quarter of the bytes per step, the same distance in bytes. On
+ * AVX-512 only tiles of several rows prefetch: one row streams faster with the hardware's
+ * prefetcher alone. */
 #define PREFETCH 32
 /* Each output sums its products in blocks of this many k steps, then adds the blocks in k
  * order: rounding error grows with the block count and size, not with k (as blocked GEMMs). */
-#define KBLOCK 64
+#define KBLOCK 128
 #define MAX_THREADS 256
 
 /* ---------------------------------------------------------------------------------------------
@@ -97,7 +99,9 @@ _Pragma("GCC unroll 8") \
 _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
                 wv[j] = WLOAD(w + j * ps + kk * wk); \
-                _mm_prefetch((const char *)(w + j * ps + (kk + PF_STEPS(w)) * wk), _MM_HINT_T0); \
+                if (MR > 1) /* one row: the hardware prefetcher streams it faster alone */ \
+                    _mm_prefetch((const char *)(w + j * ps + (kk + PF_STEPS(w)) * wk), \
+                                 _MM_HINT_T0); \
             } \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
@@ -268,12 +272,12 @@ _Pragma("GCC unroll 16") \
  * format (FMT_F32, FMT_Q8), then MR. */
 #if defined(ROWS_AVX512)
 #define TILES(T)                                                                                   \
-    T(1, 4) T(2, 8) T(3, 6) T(4, 6) T(5, 4) T(6, 4) T(7, 3) T(8, 3) T(9, 2) T(10, 2) T(11, 2)      \
+    T(1, 4) T(2, 8) T(3, 6) T(4, 4) T(5, 4) T(6, 4) T(7, 3) T(8, 3) T(9, 2) T(10, 2) T(11, 2)      \
     T(12, 2) T(13, 2) T(14, 2) T(15, 1) T(16, 1) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1)   \
     T(7, 1) T(8, 1) T(9, 1) T(10, 1) T(11, 1) T(12, 1) T(13, 1) T(14, 1)
-static const int TILE_NB[MR_MAX + 1] = {0, 4, 8, 6, 6, 4, 4, 3, 3, 2, 2, 2, 2, 2, 2, 1, 1};
+static const int TILE_NB[MR_MAX + 1] = {0, 4, 8, 6, 4, 4, 4, 3, 3, 2, 2, 2, 2, 2, 2, 1, 1};
 #define MAIN_TABLE(P)                                                                              \
-    {0, P##_1_4, P##_2_8, P##_3_6, P##_4_6, P##_5_4, P##_6_4, P##_7_3, P##_8_3, P##_9_2,           \
+    {0, P##_1_4, P##_2_8, P##_3_6, P##_4_4, P##_5_4, P##_6_4, P##_7_3, P##_8_3, P##_9_2,           \
      P##_10_2, P##_11_2, P##_12_2, P##_13_2, P##_14_2, P##_15_1, P##_16_1}
 #define ONE_TABLE(P)                                                                               \
     {0, P##_1_1, P##_2_1, P##_3_1, P##_4_1, P##_5_1, P##_6_1, P##_7_1, P##_8_1, P##_9_1,           \
