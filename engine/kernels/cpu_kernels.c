@@ -418,12 +418,13 @@ static int64_t node_rank(const node_t *nodes, int64_t count, int64_t n) {
  * have a child among the picks), every product by `matmul_address` (rows_gemm_q8).
  *
  * states [batch, d_in] (row stride ld_states): the base model's final-norm states, RMS-normed
- * and divided by sqrt(2) first when scale_input; root_tokens [batch]; heads [n_heads, H_FIELDS]
- * addresses: proj_i packed [.., d_in or d] -> d and its scales, emb_i [.., d] float32, ln_i
- * weight and bias [d], head_i packed d -> vocab and its scales; columns [vocab] maps a head's
- * column to a token id, or NULL. Out, per request b, its count[b] <= num_drafts picks in order:
- * tokens, parents (the parent's pick, -1 for the root) and scores [batch, num_drafts] (unused
- * entries untouched). Returns 0, or -1 when memory runs out. */
+ * and divided by sqrt(2) first when scale_input; root_tokens [batch]; top_k [n_heads], each
+ * at most 256; heads [n_heads, H_FIELDS] addresses: proj_i packed [.., d_in or d] -> d and its
+ * scales, emb_i [.., d] float32, ln_i weight and bias [d], head_i packed d -> vocab and its
+ * scales; columns [vocab] maps a head's column to a token id, or NULL. Out, per request b, its
+ * out_counts[b] <= num_drafts picks in order: tokens, parents (the parent's pick, -1 for the
+ * root) and scores [batch, num_drafts] (unused entries untouched). Returns 0, or -1 when
+ * memory runs out. */
 int speculator_draft(const float *states, int64_t ld_states, const int64_t *root_tokens,
                      int64_t batch, int64_t d_in, int64_t d, int64_t scale_input,
                      const int64_t *heads, const int64_t *top_k, int64_t n_heads, int64_t vocab,

@@ -47,6 +47,10 @@ class Int8Head(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+MAX_TOP_K = 256
+"""The most tokens per head `speculator_draft` keeps."""
+
+
 class FusedNodeDrafting:
     """`speculator_draft` over `speculator`, whose projections and heads must all be int8 (they
     are read in place: its modules must stay as they are)."""
@@ -81,7 +85,9 @@ class FusedNodeDrafting:
     ) -> list[DraftTree]:
         """Per request, the tree of the first `num_drafts` nodes of the top-k tree in node_picks'
         order (every node after its parent), cut to `max_depths[b]` drafts deep as
-        `DraftTree.from_paths` cuts paths."""
+        `DraftTree.from_paths` cuts paths. ValueError for a head's top k above 256."""
+        if max(top_k) > MAX_TOP_K:
+            raise ValueError(f"fused drafting takes at most {MAX_TOP_K} tokens per head")
         spec = self.speculator
         vocabulary = spec.draft_vocabulary
         token_ids, parents, _ = self.kernels.speculator_draft(
