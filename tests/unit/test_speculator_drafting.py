@@ -53,6 +53,20 @@ def _speculator(
     return random_speculator(VOCAB, n_predict, tie, scale, seed, EMB_DIM, INNER_DIM)
 
 
+def _reference_and_copy(
+    tie: bool, scale: bool, restricted: bool, seed: int
+) -> tuple[MLPSpeculator, MLPSpeculator, torch.Tensor | None]:
+    """A random speculator, a copy of it, and when `restricted` the 40 tokens the copy drafts
+    from (its draft vocabulary; None otherwise)."""
+    reference = _speculator(tie=tie, scale=scale, seed=seed)
+    model = copy.deepcopy(reference)
+    vocab = None
+    if restricted:
+        vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed + 1))[:40]
+        model.restrict_vocabulary(vocab)
+    return reference, model, vocab
+
+
 @torch.no_grad()
 def _as_drafted(
     reference: MLPSpeculator, model: MLPSpeculator, vocab: torch.Tensor | None = None
@@ -173,12 +187,7 @@ def _check_against_reference(
 def test_candidates_match_the_per_node_reference(
     selection: str, engine_linears: bool, tie: bool, scale: bool, restricted: bool
 ) -> None:
-    reference = _speculator(tie=tie, scale=scale, seed=3)
-    model = copy.deepcopy(reference)
-    vocab = None
-    if restricted:
-        vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))[:40]
-        model.restrict_vocabulary(vocab)
+    reference, model, vocab = _reference_and_copy(tie, scale, restricted, seed=3)
     if engine_linears:
         use_engine_linears(model)
         assert all(isinstance(head, Int8Head) for head in model.head)
@@ -320,12 +329,7 @@ def test_the_proposer_drafts_the_first_nodes_it_is_asked_for(
     """With "nodes" selection (on a CPU with the fused kernels: `FusedNodeDrafting`, one C
     call) and `max_candidates`, each request's tree is the reference's first picks, cut to the
     request's depth."""
-    reference = _speculator(tie=tie, scale=scale, seed=16)
-    model = copy.deepcopy(reference)
-    vocab = None
-    if restricted:
-        vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(17))[:40]
-        model.restrict_vocabulary(vocab)
+    reference, model, vocab = _reference_and_copy(tie, scale, restricted, seed=16)
     proposer = MLPProposer(model, (4, 2, 2), 5)
     assert (proposer.fused is not None) == (drafting_ops == "fused")
     reference = _as_drafted(reference, proposer.speculator, vocab)
