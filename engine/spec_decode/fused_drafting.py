@@ -85,9 +85,12 @@ class FusedNodeDrafting:
     ) -> list[DraftTree]:
         """Per request, the tree of the first `num_drafts` nodes of the top-k tree in node_picks'
         order (every node after its parent), cut to `max_depths[b]` drafts deep as
-        `DraftTree.from_paths` cuts paths. ValueError for a head's top k above 256."""
-        if max(top_k) > MAX_TOP_K:
-            raise ValueError(f"fused drafting takes at most {MAX_TOP_K} tokens per head")
+        `DraftTree.from_paths` cuts paths. ValueError for a head's top k above 256 or above
+        the tokens the heads score."""
+        if max(top_k) > min(MAX_TOP_K, self.vocab):
+            raise ValueError(
+                f"fused drafting takes at most {min(MAX_TOP_K, self.vocab)} tokens per head"
+            )
         spec = self.speculator
         vocabulary = spec.draft_vocabulary
         token_ids, parents, _ = self.kernels.speculator_draft(

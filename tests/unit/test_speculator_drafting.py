@@ -21,10 +21,11 @@ import pytest
 import torch
 from torch import nn
 
+from engine.kernels.cpu import load_cpu_kernels
 from engine.kernels.rows import load_rows_gemm
 from engine.spec_decode import mlp_speculator
 from engine.spec_decode.candidates import coverage_picks, node_picks, num_candidates, tree_shape
-from engine.spec_decode.fused_drafting import Int8Head
+from engine.spec_decode.fused_drafting import FusedNodeDrafting, Int8Head
 from engine.spec_decode.mlp_speculator import MLPSpeculator
 from engine.spec_decode.proposer import MLPProposer, ProposalInput, use_engine_linears
 from engine.spec_decode.tree import DraftTree
@@ -345,6 +346,19 @@ def test_the_proposer_drafts_the_first_nodes_it_is_asked_for(
             levels = _reference_tree(reference, p.hidden_state, p.token_ids[-1], (4, 2, 2), columns)
             nodes = _reference_candidates(levels, 5, "nodes")[:max_candidates]
             assert tree == DraftTree.from_paths([path for path, _ in nodes], p.max_depth)
+
+
+def test_fused_drafting_refuses_more_tokens_per_head_than_the_heads_score() -> None:
+    _, model, _ = _reference_and_copy(tie=False, scale=False, restricted=True, seed=19)
+    use_engine_linears(model)  # the heads score the 40 tokens of the draft vocabulary
+    kernels, lib = load_cpu_kernels(), load_rows_gemm()
+    assert kernels is not None and lib is not None
+    fused = FusedNodeDrafting(model, kernels, lib)
+    states = torch.randn(1, EMB_DIM, generator=torch.Generator().manual_seed(20))
+    with pytest.raises(ValueError, match="at most 40 tokens per head"):
+        fused.draft(states, [1], (41, 1, 1), 3, [3])
+    (tree,) = fused.draft(states, [1], (40, 1, 1), 3, [3])
+    assert tree.num_drafts == 3
 
 
 def test_int8_heads_round_each_weight_to_its_tokens_scale() -> None:
