@@ -48,8 +48,8 @@
 #define PANEL 16
 /* Weights are prefetched this many k steps of float weights ahead (one 64-byte line per panel
  * and step); q8 weights, a quarter of the bytes per step, the same distance in bytes. On
- * AVX-512 only tiles of several rows prefetch: one row streams faster with the hardware's
- * prefetcher alone. */
+ * AVX-512 only tiles of several rows prefetch, as non-temporal (each weight is read once): one
+ * row streams faster with the hardware's prefetcher alone. */
 #define PREFETCH 32
 /* Each output sums its products in blocks of this many k steps, then adds the blocks in k
  * order: rounding error grows with the block count and size, not with k (as blocked GEMMs). */
@@ -101,7 +101,7 @@ _Pragma("GCC unroll 8") \
                 wv[j] = WLOAD(w + j * ps + kk * wk); \
                 if (MR > 1) /* one row: the hardware prefetcher streams it faster alone */ \
                     _mm_prefetch((const char *)(w + j * ps + (kk + PF_STEPS(w)) * wk), \
-                                 _MM_HINT_T0); \
+                                 _MM_HINT_NTA); \
             } \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
