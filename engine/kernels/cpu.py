@@ -43,18 +43,32 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
-_SIGNATURES: dict[str, list[Any]] = {
-    "rms_norm": [_P, _I, _P, _P, _I, _I, _F],
-    "add_rms_norm": [_P, _I, _P, _P, _P, _I, _I, _F],
-    "silu_and_mul": [_P, _P, _I, _I],
-    "rope": [_P, _I, _I, _I, _P, _P, _I],
-    "store_and_attend": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P]
-    + [_I] * 5
-    + [_F],
-    "speculator_stage": [_P, _I, _P, _I, _I, _P, _F, _P, _P, _F, _P, _I],
-    "log_softmax_topk": [_P, _I, _I, _I, _P, _P, _P],
-    "speculator_draft": [_P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _I, _P, _F, _F, _I, _I] + [_P] * 4,
+_C_INT = ctypes.c_int
+# name -> (argument types, result type)
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "rms_norm": ([_P, _I, _P, _P, _I, _I, _F], None),
+    "add_rms_norm": ([_P, _I, _P, _P, _P, _I, _I, _F], None),
+    "silu_and_mul": ([_P, _P, _I, _I], None),
+    "rope": ([_P, _I, _I, _I, _P, _P, _I], None),
+    "store_and_attend": (
+        [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P] + [_I] * 5 + [_F],
+        None,
+    ),
+    "speculator_stage": ([_P, _I, _P, _I, _I, _P, _F, _P, _P, _F, _P, _I], None),
+    "log_softmax_topk": ([_P, _I, _I, _I, _P, _P, _P], None),
+    "speculator_draft": (
+        [_P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _I, _P, _F, _F, _I, _I] + [_P] * 4,
+        _C_INT,
+    ),
 }
+
+
+def bind(lib: ctypes.CDLL, signatures: dict[str, tuple[list[Any], Any]]) -> None:
+    """Give each named function of `lib` its ctypes argument and result types."""
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = restype
 
 
 class CpuKernels:
@@ -62,10 +76,7 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = argtypes
-            fn.restype = None
+        bind(lib, _SIGNATURES)
         self._rms_norm = lib.rms_norm
         self._add_rms_norm = lib.add_rms_norm
         self._silu_and_mul = lib.silu_and_mul
@@ -74,7 +85,6 @@ class CpuKernels:
         self._speculator_stage = lib.speculator_stage
         self._log_softmax_topk = lib.log_softmax_topk
         self._speculator_draft = lib.speculator_draft
-        self._speculator_draft.restype = ctypes.c_int
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [N, d] (any row stride) -> x * rsqrt(mean(x^2) + eps) * weight, [N, d]."""

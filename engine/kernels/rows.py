@@ -11,11 +11,11 @@ import functools
 import logging
 import subprocess
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from engine.kernels.cpu import load_library
+from engine.kernels.cpu import bind, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,22 @@ ROWS_VARIANTS: dict[str, tuple[str, ...]] = {
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+# name -> (argument types, result type)
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "rows_gemm": ([_P, _I, _P, _P, _P, _I, _I, _I], ctypes.c_int),
+    "rows_gemm_inplace": ([_P, _I, _P, _I, _P, _P, _I, _I, _I], ctypes.c_int),
+    "rows_gemm_pack": ([_P, _I, _I, _I, _P], None),
+    "rows_gemm_q8": ([_P, _I, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
+    "rows_gemm_pack_q8": ([_P, _I, _I, _I, _P, _P], None),
+    "rows_gemm_packed_size": ([_I, _I], _I),
+    "rows_gemm_set_threads": ([ctypes.c_int], None),
+    "rows_gemm_get_threads": ([], ctypes.c_int),
+    "rows_gemm_set_spin_us": ([_I], None),
+    "rows_gemm_set_chunk_bytes": ([_I], None),
+    "rows_gemm_set_group_rows": ([ctypes.c_int], None),
+    "rows_gemm_get_group_rows": ([], ctypes.c_int),
+    "rows_gemm_isa": ([], ctypes.c_char_p),
+}
 
 
 class RowsGemm:
@@ -49,24 +65,7 @@ class RowsGemm:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        for name, argtypes, restype in [
-            ("rows_gemm", [_P, _I, _P, _P, _P, _I, _I, _I], ctypes.c_int),
-            ("rows_gemm_inplace", [_P, _I, _P, _I, _P, _P, _I, _I, _I], ctypes.c_int),
-            ("rows_gemm_pack", [_P, _I, _I, _I, _P], None),
-            ("rows_gemm_q8", [_P, _I, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
-            ("rows_gemm_pack_q8", [_P, _I, _I, _I, _P, _P], None),
-            ("rows_gemm_packed_size", [_I, _I], _I),
-            ("rows_gemm_set_threads", [ctypes.c_int], None),
-            ("rows_gemm_get_threads", [], ctypes.c_int),
-            ("rows_gemm_set_spin_us", [_I], None),
-            ("rows_gemm_set_chunk_bytes", [_I], None),
-            ("rows_gemm_set_group_rows", [ctypes.c_int], None),
-            ("rows_gemm_get_group_rows", [], ctypes.c_int),
-            ("rows_gemm_isa", [], ctypes.c_char_p),
-        ]:
-            fn = getattr(lib, name)
-            fn.argtypes = argtypes
-            fn.restype = restype
+        bind(lib, _SIGNATURES)
         self._run = lib.rows_gemm
         self._run_inplace = lib.rows_gemm_inplace
         self._run_q8 = lib.rows_gemm_q8
@@ -136,17 +135,7 @@ class RowsGemm:
     ) -> torch.Tensor:
         """x [M, in] float32 (M >= 1) @ W^T -> y [M, n] float32, W packed by ``pack`` (n = out
         features); plus ``bias`` from ``pad_bias`` when given."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        m, k = x.shape
-        y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
-        rc = self._run(
-            x.data_ptr(), x.stride(0), packed.data_ptr(),
-            None if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n,
-        )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("rows_gemm: no memory for a copy of x")
-        return y
+        return self._product(self._run, x, (packed.data_ptr(),), n, bias)
 
     def matmul_q8(
         self,
@@ -159,17 +148,8 @@ class RowsGemm:
         """x [M, in] float32 (M >= 1) @ (packed * scales)^T -> y [M, n] float32, ``packed``
         and ``scales`` from ``pack_q8`` (n = out features); plus ``bias`` from ``pad_bias``
         when given. Sums in float32 in the order of ``matmul``."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        m, k = x.shape
-        y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
-        rc = self._run_q8(
-            x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(),
-            None if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n,
-        )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("rows_gemm: no memory for a copy of x")
-        return y
+        weights = (packed.data_ptr(), scales.data_ptr())
+        return self._product(self._run_q8, x, weights, n, bias)
 
     def matmul_inplace(
         self, x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None
@@ -177,18 +157,27 @@ class RowsGemm:
         """x [M, in] float32 (M >= 1) @ wt -> y [M, out] float32, reading W^T ``wt`` [in, out]
         (last dim contiguous, out a multiple of 16) in place; plus ``bias`` [out] when given.
         ValueError if out is not a multiple of 16."""
+        n = wt.shape[1]
+        if n % self.PANEL != 0:
+            raise ValueError(f"rows_gemm_inplace: out features {n} not a multiple of 16")
+        return self._product(self._run_inplace, x, (wt.data_ptr(), wt.stride(0)), n, bias)
+
+    @staticmethod
+    def _product(
+        run: Any,
+        x: torch.Tensor,  # [M, in] float32
+        weights: tuple[int, ...],  # the weight arguments of `run` after x's
+        n: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:  # [M, n]
+        """One call of a `rows_gemm*` product, whose arguments are x, its row stride, the
+        weights, the bias or NULL, y, then m, k, n; MemoryError when it runs out of memory."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
-        n = wt.shape[1]
         y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
-        rc = self._run_inplace(
-            x.data_ptr(), x.stride(0), wt.data_ptr(), wt.stride(0),
-            None if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n,
-        )  # fmt: skip
-        if rc == -2:
-            raise ValueError(f"rows_gemm_inplace: out features {n} not a multiple of 16")
-        if rc != 0:
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if run(x.data_ptr(), x.stride(0), *weights, bias_ptr, y.data_ptr(), m, k, n) != 0:
             raise MemoryError("rows_gemm: no memory for a copy of x")
         return y
 
