@@ -32,11 +32,11 @@ import torch
 
 from bench.common import best_of, engine_step, interleaved_min, matmul_floor
 from engine import LLM
+from engine.config import CANDIDATE_SELECTIONS
 from engine.kernels.matmul import KERNELS
 from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
 from engine.spec_decode.loader import load_speculator
-from engine.spec_decode.mlp_speculator import CANDIDATE_SELECTIONS
 from engine.spec_decode.proposer import MLPProposer, ProposalInput
 from engine.spec_decode.tree import DraftTree
 from tools.tiny_speculator import write_tiny_speculator

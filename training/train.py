@@ -40,11 +40,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from engine.config import CANDIDATE_SELECTIONS
 from engine.models.llama import LlamaConfig
 from engine.paths import DEFAULT_MODEL_NAME, default_model_path, speculators_dir
 from engine.spec_decode.loader import write_draft_vocabulary
 from engine.spec_decode.mlp_speculator import (
-    CANDIDATE_SELECTIONS,
     DRAFT_VOCABULARY_FILE,
     MLPSpeculator,
     MLPSpeculatorConfig,

@@ -1,4 +1,4 @@
-"""Candidate paths from a speculator's top-k tree, on the host.
+"""Candidate paths from a speculator's top-k tree, on the host (and the tree shape's checks).
 
 The speculator's heads branch into the top `k_d` tokens at depth d, so depth d holds
 `F_d = k_0 * ... * k_d` nodes in mixed-radix order of their ranks (the root not counted), and
@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+import torch
+
+from engine.config import CANDIDATE_SELECTIONS
 
 
 class TreeShape(NamedTuple):
@@ -193,3 +197,43 @@ def pick_candidates(
         best = np.argsort(-scores, axis=1, kind="stable")[:, :n_candidates]  # [B, N] leaves
     paths = all_tokens[rows[:, :, None], shape.path_nodes[best]]  # [B, N, D]
     return paths, scores[rows, best]
+
+
+def check_selection(selection: str) -> None:
+    """Raise ValueError unless `selection` is one of CANDIDATE_SELECTIONS."""
+    if selection not in CANDIDATE_SELECTIONS:
+        raise ValueError(f"selection must be one of {CANDIDATE_SELECTIONS}, got {selection!r}")
+
+
+def check_tree_shape(n_predict: int, top_k: Sequence[int], n_candidates: int) -> None:
+    """Raise ValueError unless `top_k` has one positive entry per head and `n_candidates` is
+    between 1 and the number of leaves (the product of `top_k`)."""
+    if len(top_k) != n_predict:
+        raise ValueError(
+            f"top_k_tokens_per_head {list(top_k)} must have n_predict ({n_predict}) entries"
+        )
+    if any(k < 1 for k in top_k):
+        raise ValueError(f"top_k_tokens_per_head {list(top_k)} must be positive")
+    if not 1 <= n_candidates <= math.prod(top_k):
+        raise ValueError(
+            f"n_candidates ({n_candidates}) must be between 1 and the number of tree leaves "
+            f"({math.prod(top_k)} for top_k_tokens_per_head {list(top_k)})"
+        )
+
+
+def levels_on_host(
+    levels: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per head: [B * F, k] log-probs, ids
+) -> list[tuple[np.ndarray, np.ndarray]]:  # the same as float32 and int64 arrays
+    """The heads' top-k log-probabilities and token ids on the host: views of CPU tensors, else
+    one device-to-host copy of them all (float64 holds both exactly)."""
+    if levels[0][0].device.type == "cpu":
+        return [(logprobs.float().numpy(), ids.numpy()) for logprobs, ids in levels]
+    host = torch.cat([t.flatten().double() for level in levels for t in level]).cpu().numpy()
+    arrays = []
+    offset = 0
+    for logprobs, _ in levels:
+        size = logprobs.numel()
+        values = host[offset : offset + 2 * size].reshape(2, *logprobs.shape)
+        arrays.append((values[0].astype(np.float32), values[1].astype(np.int64)))
+        offset += 2 * size
+    return arrays

@@ -33,9 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import CANDIDATE_SELECTIONS
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels
-from engine.spec_decode.candidates import NodeBudget, pick_candidates
+from engine.spec_decode.candidates import (
+    NodeBudget,
+    check_selection,
+    check_tree_shape,
+    levels_on_host,
+    pick_candidates,
+)
 
 MODEL_TYPE = "mlp_speculator"
 DRAFT_VOCABULARY_FILE = "draft_vocabulary.json"
@@ -112,28 +117,6 @@ class MLPSpeculatorConfig:
         d = asdict(self)
         d["top_k_tokens_per_head"] = list(self.top_k_tokens_per_head)
         return {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": MODEL_TYPE, **d}
-
-
-def check_selection(selection: str) -> None:
-    """Raise ValueError unless `selection` is one of CANDIDATE_SELECTIONS."""
-    if selection not in CANDIDATE_SELECTIONS:
-        raise ValueError(f"selection must be one of {CANDIDATE_SELECTIONS}, got {selection!r}")
-
-
-def check_tree_shape(n_predict: int, top_k: Sequence[int], n_candidates: int) -> None:
-    """Raise ValueError unless `top_k` has one positive entry per head and `n_candidates` is
-    between 1 and the number of leaves (the product of `top_k`)."""
-    if len(top_k) != n_predict:
-        raise ValueError(
-            f"top_k_tokens_per_head {list(top_k)} must have n_predict ({n_predict}) entries"
-        )
-    if any(k < 1 for k in top_k):
-        raise ValueError(f"top_k_tokens_per_head {list(top_k)} must be positive")
-    if not 1 <= n_candidates <= math.prod(top_k):
-        raise ValueError(
-            f"n_candidates ({n_candidates}) must be between 1 and the number of tree leaves "
-            f"({math.prod(top_k)} for top_k_tokens_per_head {list(top_k)})"
-        )
 
 
 class SpeculatorNorm(nn.Module):
@@ -354,25 +337,7 @@ class MLPSpeculator(nn.Module):
             parent_rows = None if rows is None else torch.from_numpy(rows // k)
             if rows is not None:
                 tokens = tokens.reshape(-1, 1)[torch.from_numpy(rows)]  # [F, 1]
-        host = _levels_on_host(levels) if budget is None else budget.levels
+        host = levels_on_host(levels) if budget is None else budget.levels
         return pick_candidates(
             host, batch, top_k_tokens_per_head, n_candidates, selection, num_drafts
         )
-
-
-def _levels_on_host(
-    levels: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per head: [B * F, k] log-probs, ids
-) -> list[tuple[np.ndarray, np.ndarray]]:  # the same as float32 and int64 arrays
-    """The heads' top-k log-probabilities and token ids on the host: views of CPU tensors, else
-    one device-to-host copy of them all (float64 holds both exactly)."""
-    if levels[0][0].device.type == "cpu":
-        return [(logprobs.float().numpy(), ids.numpy()) for logprobs, ids in levels]
-    host = torch.cat([t.flatten().double() for level in levels for t in level]).cpu().numpy()
-    arrays = []
-    offset = 0
-    for logprobs, _ in levels:
-        size = logprobs.numel()
-        values = host[offset : offset + 2 * size].reshape(2, *logprobs.shape)
-        arrays.append((values[0].astype(np.float32), values[1].astype(np.int64)))
-        offset += 2 * size
-    return arrays

@@ -16,9 +16,9 @@ from engine.kernels.matmul import ROWS_MAX
 from engine.kernels.rows import load_rows_gemm
 from engine.layers.linear import Linear
 from engine.spec_decode import mlp_speculator
-from engine.spec_decode.candidates import num_candidates
+from engine.spec_decode.candidates import check_selection, check_tree_shape, num_candidates
 from engine.spec_decode.fused_drafting import FusedNodeDrafting, Int8Head
-from engine.spec_decode.mlp_speculator import MLPSpeculator, check_selection, check_tree_shape
+from engine.spec_decode.mlp_speculator import MLPSpeculator
 from engine.spec_decode.tree import DraftTree
 
 
