@@ -4,6 +4,8 @@ count of a pass and beyond, odd shapes, bias, 1 and 2 threads, each compiled pat
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -246,3 +248,40 @@ def test_default_rows_per_pass(lib: RowsGemm) -> None:
     """One pass over the weights serves up to 14 rows on AVX-512 (tiles of 2 panels up to 14
     rows), 6 on AVX2 and 4 in portable C."""
     assert lib.group_rows == {"avx512": 14, "avx2": 6, "scalar": 4}[lib.isa]
+
+
+def thp_mode() -> str | None:
+    """Linux's transparent-huge-page mode ("always", "madvise", "never"), or None."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[")[1].split("]")[0] if "[" in text else None
+
+
+def anon_huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of this process's mapping that holds `address`, per /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError("address not mapped")
+
+
+def test_packed_weights_on_huge_pages() -> None:
+    lib = load_rows_gemm()
+    assert lib is not None
+    k, n = 576, 4096  # 9 MiB packed
+    wt = torch.randn(k, n, generator=torch.Generator().manual_seed(1))
+    packed = lib.pack(wt)
+    x = torch.randn(3, k)
+    assert rel_err(lib.matmul(x, packed, n), x.double() @ wt.double()) < 1e-5
+    small = lib.pack(torch.randn(64, 96))  # below HUGE_PAGE_MIN_BYTES: torch.empty
+    assert small.shape == (6, 64, 16)
+    if thp_mode() not in ("always", "madvise"):
+        pytest.skip("transparent huge pages are off on this host")
+    assert anon_huge_kib(packed.data_ptr()) >= 2048
