@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.paths import specserve_home
@@ -176,10 +177,10 @@ class CpuKernels:
 
     def speculator_draft(
         self,
-        states: torch.Tensor,  # [B, d_in], any row stride
-        root_tokens: torch.Tensor,  # [B] int64
-        heads: torch.Tensor,  # [n_heads, 7] int64 addresses, as cpu_kernels.c lists them
-        top_k: torch.Tensor,  # [n_heads] int64, each <= 256
+        states: torch.Tensor,  # [B, d_in] float32, any row stride
+        root_tokens: np.ndarray,  # [B] int64
+        heads: np.ndarray,  # [n_heads, 7] int64 addresses, as cpu_kernels.c lists them
+        top_k: np.ndarray,  # [n_heads] int64, each <= 256
         inner_dim: int,
         vocab: int,  # the heads' outputs
         columns: torch.Tensor | None,  # [vocab] int64: the tokens of the heads' columns
@@ -188,29 +189,27 @@ class CpuKernels:
         scale_input: bool,
         num_drafts: int,
         matmul_q8: int,  # rows_gemm_q8's address
-    ) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """`speculator_draft`: per request, the first `num_drafts` nodes of a speculator's top-k
-        tree in node_picks' order, as token ids and parents (the parent's position in the
-        list, -1 for the root), and their scores [B, num_drafts] float32 (NaN past a request's
-        nodes). MemoryError if the kernel runs out of memory."""
+        tree in node_picks' order: token ids and parents (the parent's position among the
+        picks, -1 for the root), [B, num_drafts] int64, scores [B, num_drafts] float32 (NaN past
+        a request's picks), and the count of each request's picks [B]. Host arrays, not
+        tensors: drafting follows a pass that has pushed torch's dispatch out of the caches.
+        MemoryError if the kernel runs out of memory."""
         batch, d_in = states.shape
-        tokens = torch.empty(batch, num_drafts, dtype=torch.int64)
-        parents = torch.empty(batch, num_drafts, dtype=torch.int64)
-        scores = torch.full((batch, num_drafts), float("nan"), dtype=torch.float32)
-        counts = torch.empty(batch, dtype=torch.int64)
-        root_tokens = root_tokens.to(torch.int64).contiguous()
+        tokens = np.empty((batch, num_drafts), np.int64)
+        parents = np.empty((batch, num_drafts), np.int64)
+        scores = np.full((batch, num_drafts), np.nan, np.float32)
+        counts = np.empty(batch, np.int64)
         rc = self._speculator_draft(
-            states.data_ptr(), states.stride(0), root_tokens.data_ptr(), batch, d_in, inner_dim,
-            int(scale_input), heads.data_ptr(), top_k.data_ptr(), len(top_k), vocab,
+            states.data_ptr(), states.stride(0), root_tokens.ctypes.data, batch, d_in, inner_dim,
+            int(scale_input), heads.ctypes.data, top_k.ctypes.data, len(top_k), vocab,
             0 if columns is None else columns.data_ptr(), emb_scale, eps, num_drafts, matmul_q8,
-            tokens.data_ptr(), parents.data_ptr(), scores.data_ptr(), counts.data_ptr(),
+            tokens.ctypes.data, parents.ctypes.data, scores.ctypes.data, counts.ctypes.data,
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("speculator_draft: out of memory")
-        n = counts.tolist()
-        token_ids = [row[:c] for row, c in zip(tokens.tolist(), n, strict=True)]
-        parent_ids = [row[:c] for row, c in zip(parents.tolist(), n, strict=True)]
-        return token_ids, parent_ids, scores
+        return tokens, parents, scores, counts
 
 
 def _cpu_signature() -> str:

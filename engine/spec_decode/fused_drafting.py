@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -72,7 +73,7 @@ class FusedNodeDrafting:
         self.speculator = speculator
         self.kernels = kernels
         self.lib = lib
-        self.heads = torch.tensor(fields, dtype=torch.int64)  # [n_heads, 7] addresses
+        self.heads = np.array(fields, dtype=np.int64)  # [n_heads, 7] addresses
         self.vocab = cast(Int8Head, speculator.head[0]).out_features
 
     def draft(
@@ -92,22 +93,24 @@ class FusedNodeDrafting:
                 f"fused drafting takes at most {min(MAX_TOP_K, self.vocab)} tokens per head"
             )
         spec = self.speculator
-        vocabulary = spec.draft_vocabulary
-        token_ids, parents, _ = self.kernels.speculator_draft(
+        tokens, parents, _, counts = self.kernels.speculator_draft(
             states,
-            torch.tensor(root_tokens, dtype=torch.int64),
+            np.array(root_tokens, dtype=np.int64),
             self.heads,
-            torch.tensor(top_k, dtype=torch.int64),
+            np.array(top_k, dtype=np.int64),
             spec.config.inner_dim,
             self.vocab,
-            vocabulary,
+            spec.draft_vocabulary,
             spec.emb_scale,
             NORM_EPS,
             spec.config.scale_input,
             num_drafts,
             self.lib.q8_address,
         )
-        return [_node_tree(t, p, d) for t, p, d in zip(token_ids, parents, max_depths, strict=True)]
+        return [
+            _node_tree(t[:n].tolist(), p[:n].tolist(), d)
+            for t, p, n, d in zip(tokens, parents, counts.tolist(), max_depths, strict=True)
+        ]
 
 
 def _node_tree(token_ids: list[int], parents: list[int], max_depth: int) -> DraftTree:

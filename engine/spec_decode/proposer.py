@@ -164,17 +164,17 @@ class MLPProposer:
     ) -> list[DraftTree]:
         if not inputs:
             return []
-        param = next(self.speculator.parameters())
-        states = torch.stack([p.hidden_state for p in inputs]).to(param.device, param.dtype)
-        if self.fused is not None and mlp_speculator.fused_kernels(states) is not None:
+        if self.fused is not None:  # float32 on a CPU
             num_drafts = min(max_candidates or self.num_candidates, self.num_candidates)
             return self.fused.draft(
-                states,
+                _stacked(inputs, torch.float32, torch.device("cpu")),
                 [p.token_ids[-1] for p in inputs],
                 self.top_k_tokens_per_head,
                 num_drafts,
                 [p.max_depth for p in inputs],
             )
+        param = next(self.speculator.parameters())
+        states = _stacked(inputs, param.dtype, param.device)
         last = torch.tensor([p.token_ids[-1] for p in inputs], device=param.device)
         rows = len(inputs) * math.prod(self.top_k_tokens_per_head[:-1])  # the last head's input
         aten_ops = mlp_speculator.fused_kernels(states) is None  # fused: no torch op for a pool
@@ -193,3 +193,15 @@ class MLPProposer:
             DraftTree.from_paths([[t for t in path if t >= 0] for path in candidates], p.max_depth)
             for p, candidates in zip(inputs, paths.tolist(), strict=True)
         ]
+
+
+def _stacked(
+    inputs: Sequence[ProposalInput], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:  # [B, hidden]
+    """The inputs' hidden states as one [B, hidden] tensor of `dtype` on `device`, rows
+    contiguous (a view of a single input's state where it already is one)."""
+    states = [p.hidden_state for p in inputs]
+    one = states[0]
+    if len(states) == 1 and one.dtype == dtype and one.device == device and one.is_contiguous():
+        return one.unsqueeze(0)
+    return torch.stack(states).to(device, dtype)
