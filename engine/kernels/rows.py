@@ -6,12 +6,9 @@ vocabulary heads), built for this CPU by `engine.kernels.cpu.load_library`. With
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import logging
-import math
-import mmap
 import subprocess
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +16,7 @@ from typing import Any, Literal
 import torch
 
 from engine.kernels.cpu import bind, load_library
+from engine.kernels.pages import huge_page_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -48,25 +46,6 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rows_gemm_get_group_rows": ([], ctypes.c_int),
     "rows_gemm_isa": ([], ctypes.c_char_p),
 }
-
-
-HUGE_PAGE_MIN_BYTES = 2 << 20
-"""Packed copies of at least this size go on memory advised for transparent huge pages."""
-
-
-def streamed_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor for weights streamed every step: from `HUGE_PAGE_MIN_BYTES`
-    up, on fresh anonymous memory advised for transparent huge pages (Linux's "madvise" mode),
-    so that a pass over the weights walks far fewer pages; torch.empty otherwise, or where the
-    advice is not available."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    advise = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_PAGE_MIN_BYTES or advise is None:
-        return torch.empty(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # THP compiled out: small pages, as torch.empty's
-        memory.madvise(advise)
-    return torch.frombuffer(memory, dtype=dtype).view(shape)  # keeps `memory` alive
 
 
 class RowsGemm:
@@ -127,7 +106,7 @@ class RowsGemm:
         contiguous, the last panel zero-padded."""
         k, n = wt.shape
         panels = -(-n // self.PANEL)
-        packed = streamed_empty((panels, k, self.PANEL), torch.float32)  # [P, in, 16]
+        packed = huge_page_zeros((panels, k, self.PANEL), torch.float32)  # [P, in, 16]
         self.lib.rows_gemm_pack(wt.data_ptr(), wt.stride(0), k, n, packed.data_ptr())
         return packed
 
@@ -138,7 +117,7 @@ class RowsGemm:
         zeros), packed = W^T / scales[j] rounded to nearest (ties to even), in [-127, 127]."""
         k, n = wt.shape
         panels = -(-n // self.PANEL)
-        packed = streamed_empty((panels, k, self.PANEL), torch.int8)  # [P, in, 16]
+        packed = huge_page_zeros((panels, k, self.PANEL), torch.int8)  # [P, in, 16]
         scales = torch.empty(panels * self.PANEL, dtype=torch.float32)  # [P * 16]
         self.lib.rows_gemm_pack_q8(
             wt.data_ptr(), wt.stride(0), k, n, packed.data_ptr(), scales.data_ptr()

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from engine.kernels.matmul import KernelFn, default_plan, torch_kernel
+from engine.kernels.pages import huge_page_zeros
 
 
 class Linear(torch.nn.Module):
@@ -51,7 +52,11 @@ class Linear(torch.nn.Module):
         # CPU: W^T [in, out] contiguous. Elsewhere: W [out, in] contiguous.
         self.transposed = self.device.type == "cpu"
         shape = (in_features, out_features) if self.transposed else (out_features, in_features)
-        self.storage = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.storage = (
+            huge_page_zeros(shape, dtype)
+            if self.transposed
+            else torch.zeros(shape, dtype=dtype, device=self.device)
+        )
         self.bias: torch.Tensor | None = (
             torch.zeros(out_features, dtype=dtype, device=self.device) if bias else None
         )

@@ -280,7 +280,7 @@ def test_packed_weights_on_huge_pages() -> None:
     packed = lib.pack(wt)
     x = torch.randn(3, k)
     assert rel_err(lib.matmul(x, packed, n), x.double() @ wt.double()) < 1e-5
-    small = lib.pack(torch.randn(64, 96))  # below HUGE_PAGE_MIN_BYTES: torch.empty
+    small = lib.pack(torch.randn(64, 96))  # below HUGE_PAGE_MIN_BYTES: torch.zeros
     assert small.shape == (6, 64, 16)
     if thp_mode() not in ("always", "madvise"):
         pytest.skip("transparent huge pages are off on this host")
