@@ -379,8 +379,8 @@ void log_softmax_topk(const float *logits, int64_t n, int64_t v, int64_t k, cons
  * ------------------------------------------------------------------------------------------- */
 
 /* rows_gemm_q8's signature (engine/kernels/rows_gemm.c), called through its address. */
-typedef int (*q8_matmul_t)(const float *x, int64_t ldx, const int8_t *packed, const float *scales,
-                           const float *bias, float *y, int64_t m, int64_t k, int64_t n);
+typedef void (*q8_matmul_t)(const float *x, int64_t ldx, const int8_t *packed, const float *scales,
+                            const float *bias, float *y, int64_t m, int64_t k, int64_t n);
 
 /* Per head, the addresses `speculator_draft` reads, in this order. */
 enum { H_PROJ, H_PROJ_SCALES, H_EMB, H_LN_WEIGHT, H_LN_BIAS, H_HEAD, H_HEAD_SCALES, H_FIELDS };
@@ -491,19 +491,17 @@ int speculator_draft(const float *states, int64_t ld_states, const int64_t *root
             }
             if (rows == 0) break;
         }
-        if (matmul(x, ldx, (const int8_t *)(intptr_t)h[H_PROJ],
-                   (const float *)(intptr_t)h[H_PROJ_SCALES], NULL, projected, prev_rows,
-                   i == 0 ? d_in : d, d) != 0)
-            return -1;
+        matmul(x, ldx, (const int8_t *)(intptr_t)h[H_PROJ],
+               (const float *)(intptr_t)h[H_PROJ_SCALES], NULL, projected, prev_rows,
+               i == 0 ? d_in : d, d);
         for (int64_t r = 0; r < rows; r++) {
             const node_t *n = i == 0 ? NULL : nodes + row_node[r];
             stage_row(projected + (i == 0 ? r : n->row) * d,
                       emb + (i == 0 ? root_tokens[r] : n->token) * d, emb_scale, ln_w, ln_b, eps,
                       cur + r * d, d);
         }
-        if (matmul(cur, d, (const int8_t *)(intptr_t)h[H_HEAD],
-                   (const float *)(intptr_t)h[H_HEAD_SCALES], NULL, logits, rows, d, vocab) != 0)
-            return -1;
+        matmul(cur, d, (const int8_t *)(intptr_t)h[H_HEAD],
+               (const float *)(intptr_t)h[H_HEAD_SCALES], NULL, logits, rows, d, vocab);
         for (int64_t r = 0; r < rows; r++) {
             const int64_t b = i == 0 ? r : row_node[r] / max_nodes;
             const int64_t parent = i == 0 ? -1 : row_node[r] % max_nodes;

@@ -32,10 +32,10 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 # name -> (argument types, result type)
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
-    "rows_gemm": ([_P, _I, _P, _P, _P, _I, _I, _I], ctypes.c_int),
+    "rows_gemm": ([_P, _I, _P, _P, _P, _I, _I, _I], None),
     "rows_gemm_inplace": ([_P, _I, _P, _I, _P, _P, _I, _I, _I], ctypes.c_int),
     "rows_gemm_pack": ([_P, _I, _I, _I, _P], None),
-    "rows_gemm_q8": ([_P, _I, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
+    "rows_gemm_q8": ([_P, _I, _P, _P, _P, _P, _I, _I, _I], None),
     "rows_gemm_pack_q8": ([_P, _I, _I, _I, _P, _P], None),
     "rows_gemm_packed_size": ([_I, _I], _I),
     "rows_gemm_set_threads": ([ctypes.c_int], None),
@@ -172,14 +172,13 @@ class RowsGemm:
         bias: torch.Tensor | None,
     ) -> torch.Tensor:  # [M, n]
         """One call of a `rows_gemm*` product, whose arguments are x, its row stride, the
-        weights, the bias or NULL, y, then m, k, n; MemoryError when it runs out of memory."""
+        weights, the bias or NULL, y, then m, k, n."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
         y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
         bias_ptr = None if bias is None else bias.data_ptr()
-        if run(x.data_ptr(), x.stride(0), *weights, bias_ptr, y.data_ptr(), m, k, n) != 0:
-            raise MemoryError("rows_gemm: no memory for a copy of x")
+        run(x.data_ptr(), x.stride(0), *weights, bias_ptr, y.data_ptr(), m, k, n)
         return y
 
 

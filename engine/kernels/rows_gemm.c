@@ -8,8 +8,9 @@
  * order (one fused multiply-add per k on the vector paths), in blocks of KBLOCK steps whose sums
  * are added to the output in turn. A pass takes up to `group_rows` rows
  * (MR_MAX at most: 16 on AVX-512); more rows are served in equal groups that run over the same
- * chunk of panels one after another, the later groups reading its weights from cache. x is first
- * copied, per group, into [K][rows] so that a tile broadcasts its rows from one stream.
+ * chunk of panels one after another, the later groups reading its weights from cache. A tile
+ * broadcasts each row's x[k] from x itself (row stride ldx): x is a few kilobytes, and copying it
+ * into another layout first costs more than it saves.
  *
  * int8 weights ("q8", weight-only, for memory-bound products whose result may be approximate,
  * such as a draft model's vocabulary head): `rows_gemm_pack_q8` quantises W^T symmetrically per
@@ -69,8 +70,9 @@
  * arithmetic addresses either format.
  * ------------------------------------------------------------------------------------------- */
 
-typedef void (*tile_fn)(const float *x, const void *w, const float *scales, int64_t k, int64_t ps,
-                        int64_t wk, const float *bias, float *y, int64_t ldy, int64_t ncols);
+typedef void (*tile_fn)(const float *x, int64_t ldx, const void *w, const float *scales,
+                        int64_t k, int64_t ps, int64_t wk, const float *bias, float *y,
+                        int64_t ldy, int64_t ncols);
 
 /* The prefetch distance in k steps for weights of `w`'s element type: PREFETCH * 64 bytes. */
 #define PF_STEPS(w) ((int64_t)(PREFETCH * sizeof(float) / sizeof(*(w))))
@@ -105,7 +107,7 @@ _Pragma("GCC unroll 8") \
             } \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
-                const __m512 xb = _mm512_set1_ps(x[kk * MR + i]); \
+                const __m512 xb = _mm512_set1_ps(x[i * ldx + kk]); \
 _Pragma("GCC unroll 8") \
                 for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xb, wv[j], acc[i][j]); \
             } \
@@ -177,7 +179,7 @@ _Pragma("GCC unroll 8") \
             } \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
-                const __m256 xb = _mm256_broadcast_ss(x + kk * MR + i); \
+                const __m256 xb = _mm256_broadcast_ss(x + i * ldx + kk); \
 _Pragma("GCC unroll 8") \
                 for (int j = 0; j < NB; j++) { \
                     lo[i][j] = _mm256_fmadd_ps(xb, wl[j], lo[i][j]); \
@@ -236,7 +238,7 @@ _Pragma("GCC unroll 16") \
             memset(acc, 0, sizeof(acc)); \
             for (int64_t kk = k0; kk < k1; kk++) { \
                 for (int i = 0; i < MR; i++) { \
-                    const float xv = x[kk * MR + i]; \
+                    const float xv = x[i * ldx + kk]; \
                     for (int c = 0; c < PANEL; c++) acc[i][c] += xv * WLOAD(wp + kk * wk + c); \
                 } \
             } \
@@ -255,9 +257,9 @@ _Pragma("GCC unroll 16") \
 #endif
 
 #define TILE(NAME, WTYPE, WLOAD, SCALED, MR_, NB_)                                               \
-    static void NAME##_##MR_##_##NB_(const float *x, const void *wv, const float *scales,        \
-                                     int64_t k, int64_t ps, int64_t wk, const float *bias,       \
-                                     float *y, int64_t ldy, int64_t ncols) {                     \
+    static void NAME##_##MR_##_##NB_(const float *x, int64_t ldx, const void *wv,                \
+                                     const float *scales, int64_t k, int64_t ps, int64_t wk,     \
+                                     const float *bias, float *y, int64_t ldy, int64_t ncols) {  \
         enum { MR = MR_, NB = NB_ };                                                             \
         const WTYPE *w = (const WTYPE *)wv;                                                      \
         (void)scales;                                                                            \
@@ -307,14 +309,14 @@ static const tile_fn TILE_ONE[2][MR_MAX + 1] = {ONE_TABLE(tile), ONE_TABLE(tile_
  * ------------------------------------------------------------------------------------------- */
 
 typedef struct {
-    const float *x; /* x regrouped: groups of `group` rows (the last may be smaller), each [k][rows] */
+    const float *x; /* [m, k], row stride ldx */
     const void *w;  /* weights: float (FMT_F32) or int8_t (FMT_Q8) */
     const float *scales; /* FMT_Q8: per-column scales, padded to whole panels; else NULL */
     int64_t fmt;    /* FMT_F32 or FMT_Q8 */
     int64_t ps, wk; /* panel j, step kk at weight element j * ps + kk * wk */
     const float *bias;
     float *y;
-    int64_t m, k, n;
+    int64_t m, k, n, ldx;
     int64_t group;   /* rows per pass over the weights, <= MR_MAX */
     int64_t nchunks; /* chunk c holds units [c * nunits / nchunks, (c + 1) * nunits / nchunks) */
 } job_t;
@@ -339,19 +341,19 @@ static void run_chunk(const job_t *job, int64_t c) {
     for (int64_t r = 0; r < job->m; r += job->group) {
         const int mr = (int)(job->m - r < job->group ? job->m - r : job->group);
         const int nb = TILE_NB[mr];
-        const float *x = job->x + r * k; /* this group's [k][mr] block */
+        const float *x = job->x + r * job->ldx; /* this group's rows */
         float *y = job->y + r * job->n;
         int64_t p = p0;
         for (; p + nb <= p1; p += nb) {
             const int64_t cols = job->n - p * PANEL;
-            tile_main[mr](x, (const char *)job->w + p * panel_bytes,
+            tile_main[mr](x, job->ldx, (const char *)job->w + p * panel_bytes,
                           job->scales ? job->scales + p * PANEL : 0, k, job->ps, job->wk,
                           job->bias ? job->bias + p * PANEL : 0, y + p * PANEL, job->n,
                           cols < nb * PANEL ? cols : nb * PANEL);
         }
         for (; p < p1; p++) {
             const int64_t cols = job->n - p * PANEL;
-            tile_one[mr](x, (const char *)job->w + p * panel_bytes,
+            tile_one[mr](x, job->ldx, (const char *)job->w + p * panel_bytes,
                          job->scales ? job->scales + p * PANEL : 0, k, job->ps, job->wk,
                          job->bias ? job->bias + p * PANEL : 0, y + p * PANEL, job->n,
                          cols < PANEL ? cols : PANEL);
@@ -450,6 +452,7 @@ static void *worker_main(void *arg) {
         job.m = RELAXED(pool.job.m);
         job.k = RELAXED(pool.job.k);
         job.n = RELAXED(pool.job.n);
+        job.ldx = RELAXED(pool.job.ldx);
         job.group = RELAXED(pool.job.group);
         job.nchunks = RELAXED(pool.job.nchunks);
         __atomic_thread_fence(__ATOMIC_ACQUIRE); /* pairs with the caller's release fence */
@@ -569,35 +572,12 @@ void rows_gemm_set_chunk_bytes(int64_t bytes) {
     __atomic_store_n(&pool.chunk_bytes, bytes < 1 ? 1 : bytes, __ATOMIC_RELAXED);
 }
 
-/* x [m, k] (row stride ldx) -> groups of `group` rows, each [k][rows], in a per-thread buffer
- * (x itself where m == 1); NULL if the buffer cannot grow. */
-static const float *regroup(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t group) {
-    static __thread float *buf;
-    static __thread int64_t cap;
-    if (m == 1 || k == 0) return x;
-    if (m * k > cap) {
-        float *grown = (float *)realloc(buf, (size_t)(m * k) * sizeof(float));
-        if (!grown) return 0;
-        buf = grown;
-        cap = m * k;
-    }
-    for (int64_t r = 0; r < m; r += group) {
-        const int64_t rows = m - r < group ? m - r : group;
-        float *dst = buf + r * k;
-        for (int64_t i = 0; i < rows; i++) {
-            const float *src = x + (r + i) * ldx;
-            for (int64_t kk = 0; kk < k; kk++) dst[kk * rows + i] = src[kk];
-        }
-    }
-    return buf;
-}
-
 /* y [m, n] = x [m, k] @ W^T on weights laid out as panels (see the tiles), of format `fmt`
  * (FMT_Q8: int8 with per-column `scales`). */
-static int run(const float *x, int64_t ldx, const void *w, const float *scales, int64_t fmt,
-               int64_t ps, int64_t wk, const float *bias, float *y, int64_t m, int64_t k,
-               int64_t n) {
-    if (m <= 0 || n <= 0) return 0;
+static void run(const float *x, int64_t ldx, const void *w, const float *scales, int64_t fmt,
+                int64_t ps, int64_t wk, const float *bias, float *y, int64_t m, int64_t k,
+                int64_t n) {
+    if (m <= 0 || n <= 0) return;
     const int64_t npanels = (n + PANEL - 1) / PANEL;
     const int threads = RELAXED(pool.threads);
     /* Row groups of equal size, at most group_rows each. */
@@ -608,18 +588,16 @@ static int run(const float *x, int64_t ldx, const void *w, const float *scales, 
     int64_t nchunks = (bytes + RELAXED(pool.chunk_bytes) - 1) / RELAXED(pool.chunk_bytes);
     nchunks = (nchunks + threads - 1) / threads * threads;
     if (nchunks > tile_units(npanels, group)) nchunks = tile_units(npanels, group);
-    job_t job = {regroup(x, ldx, m, k, group), w, scales, fmt, ps, wk, bias, y, m, k, n, group,
-                 nchunks};
-    if (!job.x && k > 0) return -1;
+    job_t job = {x, w, scales, fmt, ps, wk, bias, y, m, k, n, ldx, group, nchunks};
     if (threads <= 1 || job.nchunks <= 1) {
         for (int64_t c = 0; c < job.nchunks; c++) run_chunk(&job, c);
-        return 0;
+        return;
     }
     pthread_mutex_lock(&pool.call_mu);
     if (ensure_workers(threads) == 0) {
         pthread_mutex_unlock(&pool.call_mu);
         for (int64_t c = 0; c < job.nchunks; c++) run_chunk(&job, c);
-        return 0;
+        return;
     }
     /* `next` holds the finished generation with no chunk left (set at the end of each call);
      * a worker that reads any field below written sees that, so it never runs a torn job. */
@@ -635,6 +613,7 @@ static int run(const float *x, int64_t ldx, const void *w, const float *scales, 
     __atomic_store_n(&pool.job.m, job.m, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.k, job.k, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.n, job.n, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.ldx, job.ldx, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.group, job.group, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.nchunks, job.nchunks, __ATOMIC_RELAXED);
     const uint32_t gen = RELAXED(pool.gen) + 1;
@@ -650,29 +629,27 @@ static int run(const float *x, int64_t ldx, const void *w, const float *scales, 
     while (LOAD(pool.done) < job.nchunks) cpu_relax();
     __atomic_store_n(&pool.next, (uint64_t)gen << 32 | 0xFFFFFFFFu, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&pool.call_mu);
-    return 0;
 }
 
 /* y [m, n] (contiguous) = x [m, k] (row stride ldx) @ W^T, W packed by rows_gemm_pack;
- * + bias, when not NULL, padded to ceil(n / 16) * 16 floats. Returns 0, or -1 (y
- * untouched) if memory for a copy of x could not be allocated. */
-int rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
-              int64_t m, int64_t k, int64_t n) {
-    return run(x, ldx, packed, 0, FMT_F32, k * PANEL, PANEL, bias, y, m, k, n);
+ * + bias, when not NULL, padded to ceil(n / 16) * 16 floats. */
+void rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
+               int64_t m, int64_t k, int64_t n) {
+    run(x, ldx, packed, 0, FMT_F32, k * PANEL, PANEL, bias, y, m, k, n);
 }
 
 /* The same on W^T [k, n] read in place (row stride ldw): n must be a multiple of 16, and bias,
- * when not NULL, holds n floats. Returns 0, -1 as rows_gemm, or -2 (y untouched) if n is not a
- * multiple of 16. */
+ * when not NULL, holds n floats. Returns 0, or -2 (y untouched) if n is not a multiple of 16. */
 int rows_gemm_inplace(const float *x, int64_t ldx, const float *wt, int64_t ldw, const float *bias,
                       float *y, int64_t m, int64_t k, int64_t n) {
     if (n % PANEL != 0) return -2;
-    return run(x, ldx, wt, 0, FMT_F32, PANEL, ldw, bias, y, m, k, n);
+    run(x, ldx, wt, 0, FMT_F32, PANEL, ldw, bias, y, m, k, n);
+    return 0;
 }
 
 /* y [m, n] (contiguous) = x [m, k] (row stride ldx) @ (q * scale)^T, q and scales packed by
- * rows_gemm_pack_q8; + bias as rows_gemm. Returns 0, or -1 (y untouched) as rows_gemm. */
-int rows_gemm_q8(const float *x, int64_t ldx, const int8_t *packed, const float *scales,
-                 const float *bias, float *y, int64_t m, int64_t k, int64_t n) {
-    return run(x, ldx, packed, scales, FMT_Q8, k * PANEL, PANEL, bias, y, m, k, n);
+ * rows_gemm_pack_q8; + bias as rows_gemm. */
+void rows_gemm_q8(const float *x, int64_t ldx, const int8_t *packed, const float *scales,
+                  const float *bias, float *y, int64_t m, int64_t k, int64_t n) {
+    run(x, ldx, packed, scales, FMT_Q8, k * PANEL, PANEL, bias, y, m, k, n);
 }
