@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.paths import specserve_home
@@ -85,7 +84,7 @@ class CpuKernels:
         self.store_and_attend = lib.store_and_attend  # called by CpuAttentionBackend
         self._speculator_stage = lib.speculator_stage
         self._log_softmax_topk = lib.log_softmax_topk
-        self._speculator_draft = lib.speculator_draft
+        self.speculator_draft = lib.speculator_draft  # called by FusedNodeDrafting
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [N, d] (any row stride) -> x * rsqrt(mean(x^2) + eps) * weight, [N, d]."""
@@ -174,42 +173,6 @@ class CpuKernels:
             top.data_ptr(), ids.data_ptr(),
         )  # fmt: skip
         return top, ids
-
-    def speculator_draft(
-        self,
-        states: torch.Tensor,  # [B, d_in] float32, any row stride
-        root_tokens: np.ndarray,  # [B] int64
-        heads: np.ndarray,  # [n_heads, 7] int64 addresses, as cpu_kernels.c lists them
-        top_k: np.ndarray,  # [n_heads] int64, each <= 256
-        inner_dim: int,
-        vocab: int,  # the heads' outputs
-        columns: torch.Tensor | None,  # [vocab] int64: the tokens of the heads' columns
-        emb_scale: float,
-        eps: float,
-        scale_input: bool,
-        num_drafts: int,
-        matmul_q8: int,  # rows_gemm_q8's address
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """`speculator_draft`: per request, the first `num_drafts` nodes of a speculator's top-k
-        tree in node_picks' order: token ids and parents (the parent's position among the
-        picks, -1 for the root), [B, num_drafts] int64, scores [B, num_drafts] float32 (NaN past
-        a request's picks), and the count of each request's picks [B]. Host arrays, not
-        tensors: drafting follows a pass that has pushed torch's dispatch out of the caches.
-        MemoryError if the kernel runs out of memory."""
-        batch, d_in = states.shape
-        tokens = np.empty((batch, num_drafts), np.int64)
-        parents = np.empty((batch, num_drafts), np.int64)
-        scores = np.full((batch, num_drafts), np.nan, np.float32)
-        counts = np.empty(batch, np.int64)
-        rc = self._speculator_draft(
-            states.data_ptr(), states.stride(0), root_tokens.ctypes.data, batch, d_in, inner_dim,
-            int(scale_input), heads.ctypes.data, top_k.ctypes.data, len(top_k), vocab,
-            0 if columns is None else columns.data_ptr(), emb_scale, eps, num_drafts, matmul_q8,
-            tokens.ctypes.data, parents.ctypes.data, scores.ctypes.data, counts.ctypes.data,
-        )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("speculator_draft: out of memory")
-        return tokens, parents, scores, counts
 
 
 def _cpu_signature() -> str:

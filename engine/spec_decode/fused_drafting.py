@@ -12,6 +12,7 @@ costs several times its arithmetic. `speculator_draft` runs them all in C, the p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -52,6 +53,22 @@ MAX_TOP_K = 256
 """The most tokens per head `speculator_draft` keeps."""
 
 
+@dataclass(frozen=True)
+class _DraftCall:
+    """The host arrays of one shape of `speculator_draft` call (requests, top k per head, picks),
+    made once and reused, and the call's arguments after the states' address and row stride.
+    Reuse keeps a call's own work down to filling the root tokens: after a decode step has
+    pushed numpy's and ctypes' state out of the caches, each new array costs microseconds."""
+
+    root_tokens: np.ndarray  # [B] int64
+    top_k: np.ndarray  # [n_heads] int64
+    tokens: np.ndarray  # [B, num_drafts] int64
+    parents: np.ndarray  # [B, num_drafts] int64
+    scores: np.ndarray  # [B, num_drafts] float32
+    counts: np.ndarray  # [B] int64
+    args: tuple[int | float, ...]  # addresses of the arrays above among them
+
+
 class FusedNodeDrafting:
     """`speculator_draft` over `speculator`, whose projections and heads must all be int8 (they
     are read in place: its modules must stay as they are)."""
@@ -75,10 +92,11 @@ class FusedNodeDrafting:
         self.lib = lib
         self.heads = np.array(fields, dtype=np.int64)  # [n_heads, 7] addresses
         self.vocab = cast(Int8Head, speculator.head[0]).out_features
+        self._calls: dict[tuple[int, tuple[int, ...], int], _DraftCall] = {}
 
     def draft(
         self,
-        states: torch.Tensor,  # [B, emb_dim] float32
+        states: torch.Tensor,  # [B, emb_dim] float32, rows contiguous
         root_tokens: Sequence[int],
         top_k: Sequence[int],
         num_drafts: int,
@@ -87,30 +105,42 @@ class FusedNodeDrafting:
         """Per request, the tree of the first `num_drafts` nodes of the top-k tree in node_picks'
         order (every node after its parent), cut to `max_depths[b]` drafts deep as
         `DraftTree.from_paths` cuts paths. ValueError for a head's top k above 256 or above
-        the tokens the heads score."""
+        the tokens the heads score; MemoryError if the kernel runs out of memory."""
+        key = (len(root_tokens), tuple(top_k), num_drafts)
+        call = self._calls.get(key) or self._prepare(*key)
+        call.root_tokens[:] = root_tokens
+        if self.kernels.speculator_draft(states.data_ptr(), states.stride(0), *call.args) != 0:
+            raise MemoryError("speculator_draft: out of memory")
+        return [
+            _node_tree(t[:n].tolist(), p[:n].tolist(), d)
+            for t, p, n, d in zip(
+                call.tokens, call.parents, call.counts.tolist(), max_depths, strict=True
+            )
+        ]
+
+    def _prepare(self, batch: int, top_k: tuple[int, ...], num_drafts: int) -> _DraftCall:
         if max(top_k) > min(MAX_TOP_K, self.vocab):
             raise ValueError(
                 f"fused drafting takes at most {min(MAX_TOP_K, self.vocab)} tokens per head"
             )
-        spec = self.speculator
-        tokens, parents, _, counts = self.kernels.speculator_draft(
-            states,
-            np.array(root_tokens, dtype=np.int64),
-            self.heads,
-            np.array(top_k, dtype=np.int64),
-            spec.config.inner_dim,
-            self.vocab,
-            spec.draft_vocabulary,
-            spec.emb_scale,
-            NORM_EPS,
-            spec.config.scale_input,
-            num_drafts,
-            self.lib.q8_address,
-        )
-        return [
-            _node_tree(t[:n].tolist(), p[:n].tolist(), d)
-            for t, p, n, d in zip(tokens, parents, counts.tolist(), max_depths, strict=True)
-        ]
+        spec, config = self.speculator, self.speculator.config
+        columns = spec.draft_vocabulary
+        top_k_array = np.array(top_k, dtype=np.int64)
+        root_tokens = np.empty(batch, np.int64)
+        tokens = np.empty((batch, num_drafts), np.int64)
+        parents = np.empty((batch, num_drafts), np.int64)
+        scores = np.empty((batch, num_drafts), np.float32)
+        counts = np.empty(batch, np.int64)
+        args = (
+            root_tokens.ctypes.data, batch, config.emb_dim, config.inner_dim,
+            int(config.scale_input), self.heads.ctypes.data, top_k_array.ctypes.data, len(top_k),
+            self.vocab, 0 if columns is None else columns.data_ptr(), spec.emb_scale, NORM_EPS,
+            num_drafts, self.lib.q8_address, tokens.ctypes.data, parents.ctypes.data,
+            scores.ctypes.data, counts.ctypes.data,
+        )  # fmt: skip
+        call = _DraftCall(root_tokens, top_k_array, tokens, parents, scores, counts, args)
+        self._calls[(batch, top_k, num_drafts)] = call
+        return call
 
 
 def _node_tree(token_ids: list[int], parents: list[int], max_depth: int) -> DraftTree:
