@@ -131,6 +131,7 @@ void rope(float *x, int64_t x_stride, int64_t num_heads, int64_t head_dim,
 static inline __attribute__((always_inline)) float softmax_in_place(float *scores,
                                                                     int64_t num_keys) {
     float max = -INFINITY;
+#pragma omp simd reduction(max : max)
     for (int64_t j = 0; j < num_keys; j++) max = scores[j] > max ? scores[j] : max;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -145,10 +146,27 @@ static inline __attribute__((always_inline)) float softmax_in_place(float *score
 /* Query rows attended together, sharing each key and value row they read. */
 #define ROW_BLOCK 4
 
+#if defined(__AVX512F__)
+/* The sums of a, b, c and d's lanes, in that order. Each sum is added in the same order whatever
+ * the other three hold, so a row's score does not depend on the rows attended with it. */
+static inline __m128 reduce_add4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    /* 128-bit lane i: four partial sums of the i-th argument */
+    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+    return _mm512_castps512_ps128(
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t));
+}
+#endif
+
 /* Query rows r0 .. r0 + ROWS - 1 of key head kv_head in one sequence, where row r is new token
  * i = r / group under query head kv_head * group + r % group: one pass over the keys gives every
  * row's scores, one over the values every row's output, so each key and value row is read once
- * for the ROWS query rows that share it. scores has room for ROW_BLOCK * seq_len floats. */
+ * for the ROWS query rows that share it. scores has room for ROW_BLOCK * seq_len floats. With
+ * AVX-512 and a head size of a multiple of 16 up to 128, the ROWS dot products with a key are
+ * summed together (`reduce_add4`) and the outputs stay in registers. */
 static inline __attribute__((always_inline)) void attend_rows_grouped(
     const float *q, int64_t q_stride, const float *keys, const float *values,
     const int64_t *key_offsets, int64_t q_first, int64_t q_len, int64_t seq_len,
@@ -168,10 +186,34 @@ static inline __attribute__((always_inline)) void attend_rows_grouped(
         const int64_t n = mask != NULL ? seq_len : ctx_len + i + 1;
         num_keys = n > num_keys ? n : num_keys;
     }
-    for (int64_t j = 0; j < num_keys; j++) {
-        const float *key = keys + key_offsets[j];
-        for (int64_t b = 0; b < ROWS; b++) {
-            scores[b * seq_len + j] = dot(rows[b], key, head_dim) * scale;
+#if defined(__AVX512F__)
+    const int vector = head_dim % 16 == 0 && head_dim <= 128;
+#else
+    const int vector = 0;
+#endif
+    if (vector) {
+#if defined(__AVX512F__)
+        const int64_t chunks = head_dim / 16;
+        for (int64_t j = 0; j < num_keys; j++) {
+            const float *key = keys + key_offsets[j];
+            __m512 acc[ROW_BLOCK];
+            for (int64_t b = 0; b < ROW_BLOCK; b++) acc[b] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < chunks; c++) {
+                const __m512 k = _mm512_loadu_ps(key + 16 * c);
+                for (int64_t b = 0; b < ROWS; b++)
+                    acc[b] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[b] + 16 * c), k, acc[b]);
+            }
+            float dots[4];
+            _mm_storeu_ps(dots, reduce_add4(acc[0], acc[1], acc[2], acc[3]));
+            for (int64_t b = 0; b < ROWS; b++) scores[b * seq_len + j] = dots[b] * scale;
+        }
+#endif
+    } else {
+        for (int64_t j = 0; j < num_keys; j++) {
+            const float *key = keys + key_offsets[j];
+            for (int64_t b = 0; b < ROWS; b++) {
+                scores[b * seq_len + j] = dot(rows[b], key, head_dim) * scale;
+            }
         }
     }
     float inv_sum[ROW_BLOCK];
@@ -183,6 +225,28 @@ static inline __attribute__((always_inline)) void attend_rows_grouped(
             if (!visible) row[j] = -INFINITY;
         }
         inv_sum[b] = 1.0f / softmax_in_place(row, num_keys);
+    }
+    if (vector) {
+#if defined(__AVX512F__)
+        const int64_t chunks = head_dim / 16;
+        __m512 acc[ROW_BLOCK][8];
+        for (int64_t b = 0; b < ROWS; b++)
+            for (int64_t c = 0; c < chunks; c++) acc[b][c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < num_keys; j++) {
+            const float *value = values + key_offsets[j];
+            for (int64_t c = 0; c < chunks; c++) {
+                const __m512 v = _mm512_loadu_ps(value + 16 * c);
+                for (int64_t b = 0; b < ROWS; b++)
+                    acc[b][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[b * seq_len + j]), v, acc[b][c]);
+            }
+        }
+        for (int64_t b = 0; b < ROWS; b++) {
+            const __m512 inv = _mm512_set1_ps(inv_sum[b]);
+            for (int64_t c = 0; c < chunks; c++)
+                _mm512_storeu_ps(row_out[b] + 16 * c, _mm512_mul_ps(acc[b][c], inv));
+        }
+#endif
+        return;
     }
     float acc[ROW_BLOCK][256];
     for (int64_t b = 0; b < ROWS; b++) memset(acc[b], 0, (size_t)head_dim * sizeof(float));
