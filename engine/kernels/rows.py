@@ -88,7 +88,7 @@ class RowsGemm:
         self.lib.rows_gemm_set_spin_us(us)
 
     def set_chunk_bytes(self, nbytes: int) -> None:
-        """Weight bytes per unit of work that the threads claim."""
+        """Weight bytes per claim of work by a thread at most (claims shrink as a call ends)."""
         self.lib.rows_gemm_set_chunk_bytes(nbytes)
 
     @property

@@ -8,7 +8,7 @@
  * order (one fused multiply-add per k on the vector paths), in blocks of KBLOCK steps whose sums
  * are added to the output in turn. A pass takes up to `group_rows` rows
  * (MR_MAX at most: 16 on AVX-512); more rows are served in equal groups that run over the same
- * chunk of panels one after another, the later groups reading its weights from cache. A tile
+ * run of panels one after another, the later groups reading its weights from cache. A tile
  * broadcasts each row's x[k] from x itself (row stride ldx): x is a few kilobytes, and copying it
  * into another layout first costs more than it saves.
  *
@@ -25,8 +25,10 @@
  * Path, chosen at compile time: AVX-512F when the compiler targets it, else AVX2 with FMA, else
  * portable C (also forced by -DSPECSERVE_SCALAR).
  *
- * Threads: the panels are cut into chunks that the calling thread and a persistent pool of
- * workers claim from one atomic counter. Between calls a worker spins for `spin_us`
+ * Threads: the panels are cut into units of whole tiles that the calling thread and a persistent
+ * pool of workers claim in runs from one atomic counter, each run a share of the units left
+ * (guided scheduling: up to about `chunk_bytes` of weights, down to one unit as the call ends,
+ * so that the threads finish together). Between calls a worker spins for `spin_us`
  * microseconds, then sleeps on a condition variable (no OpenMP runtime). The pool is process-wide:
  * concurrent `rows_gemm` calls from several threads are serialised by a mutex. Worker threads
  * are not inherited by a forked child; the child starts its own on its first call.
@@ -270,7 +272,7 @@ _Pragma("GCC unroll 16") \
 
 /* Panels per tile for each row count: as many accumulators as the registers hold. TILES lists
  * the tiles (MR, NB) to generate; TILE_NB and the tables TILE_MAIN (MR rows, TILE_NB[MR]
- * panels) and TILE_ONE (MR rows, one panel: a chunk's remainder) are indexed by the weight
+ * panels) and TILE_ONE (MR rows, one panel: a run's remainder) are indexed by the weight
  * format (FMT_F32, FMT_Q8), then MR. */
 #if defined(ROWS_AVX512)
 #define TILES(T)                                                                                   \
@@ -305,7 +307,7 @@ static const tile_fn TILE_MAIN[2][MR_MAX + 1] = {MAIN_TABLE(tile), MAIN_TABLE(ti
 static const tile_fn TILE_ONE[2][MR_MAX + 1] = {ONE_TABLE(tile), ONE_TABLE(tile_q8)};
 
 /* ---------------------------------------------------------------------------------------------
- * One call's work, cut into chunks of panels.
+ * One call's work, cut into units of whole tiles that the threads claim in runs.
  * ------------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -317,24 +319,25 @@ typedef struct {
     const float *bias;
     float *y;
     int64_t m, k, n, ldx;
-    int64_t group;   /* rows per pass over the weights, <= MR_MAX */
-    int64_t nchunks; /* chunk c holds units [c * nunits / nchunks, (c + 1) * nunits / nchunks) */
+    int64_t group;    /* rows per pass over the weights, <= MR_MAX */
+    int64_t nunits;   /* units of TILE_NB[group] panels (the last may be short) */
+    int64_t max_take; /* units per claim at most: about chunk_bytes of weights */
+    int64_t threads;
 } job_t;
 
-/* Chunks hold whole tiles: units of TILE_NB[group] panels (the last unit may be short), so that
- * a chunk runs its first group's main tile throughout and no remainder of single panels. */
+/* Units hold whole tiles: TILE_NB[group] panels (the last unit may be short), so that a run of
+ * units goes through its first group's main tile throughout and no remainder of single panels. */
 static inline int64_t tile_units(int64_t npanels, int64_t group) {
     return (npanels + TILE_NB[group] - 1) / TILE_NB[group];
 }
 
-/* One chunk's panels for all rows, a row group at a time (later groups re-read the chunk's
+/* Units [u0, u1)'s panels for all rows, a row group at a time (later groups re-read the units'
  * weights from cache). */
-static void run_chunk(const job_t *job, int64_t c) {
+static void run_units(const job_t *job, int64_t u0, int64_t u1) {
     const int64_t npanels = (job->n + PANEL - 1) / PANEL;
-    const int64_t unit = TILE_NB[job->group], nunits = tile_units(npanels, job->group);
-    const int64_t p0 = c * nunits / job->nchunks * unit;
-    const int64_t p1_units = (c + 1) * nunits / job->nchunks * unit;
-    const int64_t p1 = p1_units < npanels ? p1_units : npanels;
+    const int64_t unit = TILE_NB[job->group];
+    const int64_t p0 = u0 * unit;
+    const int64_t p1 = u1 * unit < npanels ? u1 * unit : npanels;
     const int64_t k = job->k;
     const tile_fn *tile_main = TILE_MAIN[job->fmt], *tile_one = TILE_ONE[job->fmt];
     const int64_t panel_bytes = job->ps * FMT_BYTES[job->fmt];
@@ -362,9 +365,9 @@ static void run_chunk(const job_t *job, int64_t c) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * The pool. `next` holds (generation << 32 | next chunk): a thread claims a chunk only while the
- * generation is the one whose job it read, so a late worker never runs a finished job's chunks;
- * between calls the chunk field is 0xFFFFFFFF (none left). `done` counts finished chunks of the
+ * The pool. `next` holds (generation << 32 | next unit): a thread claims units only while the
+ * generation is the one whose job it read, so a late worker never runs a finished job's units;
+ * between calls the unit field is 0xFFFFFFFF (none left). `done` counts finished units of the
  * current job.
  * ------------------------------------------------------------------------------------------- */
 
@@ -402,15 +405,25 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Claim and run chunks of generation `gen` until none is left. */
+/* Units per claim when `left` are unclaimed: a share of them that shrinks as they run out
+ * (guided scheduling), so that the threads finish together, from max_take down to one. */
+static inline int64_t claim_size(const job_t *job, int64_t left) {
+    const int64_t take = left / (2 * job->threads);
+    return take < 1 ? 1 : take > job->max_take ? job->max_take : take;
+}
+
+/* Claim and run units of generation `gen` until none is left. */
 static void work(const job_t *job, uint32_t gen) {
     uint64_t v = LOAD(pool.next);
     for (;;) {
-        if ((uint32_t)(v >> 32) != gen || (int64_t)(v & 0xFFFFFFFFu) >= job->nchunks) return;
-        if (__atomic_compare_exchange_n(&pool.next, &v, v + 1, 1, __ATOMIC_ACQ_REL,
+        const int64_t u0 = (int64_t)(v & 0xFFFFFFFFu);
+        if ((uint32_t)(v >> 32) != gen || u0 >= job->nunits) return;
+        const int64_t take = claim_size(job, job->nunits - u0);
+        if (__atomic_compare_exchange_n(&pool.next, &v, v + (uint64_t)take, 1, __ATOMIC_ACQ_REL,
                                         __ATOMIC_ACQUIRE)) {
-            run_chunk(job, (int64_t)(v & 0xFFFFFFFFu));
-            __atomic_fetch_add(&pool.done, 1, __ATOMIC_RELEASE);
+            const int64_t u1 = u0 + take < job->nunits ? u0 + take : job->nunits;
+            run_units(job, u0, u1);
+            __atomic_fetch_add(&pool.done, u1 - u0, __ATOMIC_RELEASE);
             v = LOAD(pool.next);
         }
     }
@@ -454,9 +467,11 @@ static void *worker_main(void *arg) {
         job.n = RELAXED(pool.job.n);
         job.ldx = RELAXED(pool.job.ldx);
         job.group = RELAXED(pool.job.group);
-        job.nchunks = RELAXED(pool.job.nchunks);
+        job.nunits = RELAXED(pool.job.nunits);
+        job.max_take = RELAXED(pool.job.max_take);
+        job.threads = RELAXED(pool.job.threads);
         __atomic_thread_fence(__ATOMIC_ACQUIRE); /* pairs with the caller's release fence */
-        work(&job, g); /* uses the copy only if generation g's chunks are still unclaimed */
+        work(&job, g); /* uses the copy only if generation g's units are still unclaimed */
     }
     return 0;
 }
@@ -567,7 +582,7 @@ void rows_gemm_set_spin_us(int64_t us) {
     __atomic_store_n(&pool.spin_ns, us < 0 ? 0 : us * 1000, __ATOMIC_RELAXED);
 }
 
-/* Weight bytes per claimed chunk, about (chunks are whole panels, a multiple of the threads). */
+/* Weight bytes per claimed run of units at most, about (a run is at least one unit). */
 void rows_gemm_set_chunk_bytes(int64_t bytes) {
     __atomic_store_n(&pool.chunk_bytes, bytes < 1 ? 1 : bytes, __ATOMIC_RELAXED);
 }
@@ -583,23 +598,23 @@ static void run(const float *x, int64_t ldx, const void *w, const float *scales,
     /* Row groups of equal size, at most group_rows each. */
     const int64_t gmax = RELAXED(pool.group_rows);
     const int64_t group = (m + (m + gmax - 1) / gmax - 1) / ((m + gmax - 1) / gmax);
-    /* About chunk_bytes of weights per chunk, a multiple of `threads` chunks, <= the units. */
-    const int64_t bytes = npanels * k * PANEL * FMT_BYTES[fmt];
-    int64_t nchunks = (bytes + RELAXED(pool.chunk_bytes) - 1) / RELAXED(pool.chunk_bytes);
-    nchunks = (nchunks + threads - 1) / threads * threads;
-    if (nchunks > tile_units(npanels, group)) nchunks = tile_units(npanels, group);
-    job_t job = {x, w, scales, fmt, ps, wk, bias, y, m, k, n, ldx, group, nchunks};
-    if (threads <= 1 || job.nchunks <= 1) {
-        for (int64_t c = 0; c < job.nchunks; c++) run_chunk(&job, c);
+    const int64_t unit_bytes = TILE_NB[group] * k * PANEL * FMT_BYTES[fmt];
+    const int64_t max_take = RELAXED(pool.chunk_bytes) / (unit_bytes > 0 ? unit_bytes : 1);
+    job_t job = {x, w, scales, fmt, ps, wk, bias, y, m, k, n, ldx, group,
+                 tile_units(npanels, group), max_take > 1 ? max_take : 1, threads};
+    if (threads <= 1 || job.nunits <= 1) {
+        for (int64_t u = 0; u < job.nunits; u += job.max_take)
+            run_units(&job, u, u + job.max_take < job.nunits ? u + job.max_take : job.nunits);
         return;
     }
     pthread_mutex_lock(&pool.call_mu);
     if (ensure_workers(threads) == 0) {
         pthread_mutex_unlock(&pool.call_mu);
-        for (int64_t c = 0; c < job.nchunks; c++) run_chunk(&job, c);
+        for (int64_t u = 0; u < job.nunits; u += job.max_take)
+            run_units(&job, u, u + job.max_take < job.nunits ? u + job.max_take : job.nunits);
         return;
     }
-    /* `next` holds the finished generation with no chunk left (set at the end of each call);
+    /* `next` holds the finished generation with no unit left (set at the end of each call);
      * a worker that reads any field below written sees that, so it never runs a torn job. */
     __atomic_thread_fence(__ATOMIC_RELEASE);
     __atomic_store_n(&pool.job.x, job.x, __ATOMIC_RELAXED);
@@ -615,7 +630,9 @@ static void run(const float *x, int64_t ldx, const void *w, const float *scales,
     __atomic_store_n(&pool.job.n, job.n, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.ldx, job.ldx, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.group, job.group, __ATOMIC_RELAXED);
-    __atomic_store_n(&pool.job.nchunks, job.nchunks, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.nunits, job.nunits, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.max_take, job.max_take, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.threads, job.threads, __ATOMIC_RELAXED);
     const uint32_t gen = RELAXED(pool.gen) + 1;
     __atomic_store_n(&pool.done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.next, (uint64_t)gen << 32, __ATOMIC_RELEASE);
@@ -626,7 +643,7 @@ static void run(const float *x, int64_t ldx, const void *w, const float *scales,
         pthread_mutex_unlock(&pool.mu);
     }
     work(&job, gen);
-    while (LOAD(pool.done) < job.nchunks) cpu_relax();
+    while (LOAD(pool.done) < job.nunits) cpu_relax();
     __atomic_store_n(&pool.next, (uint64_t)gen << 32 | 0xFFFFFFFFu, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&pool.call_mu);
 }
