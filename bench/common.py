@@ -30,10 +30,13 @@ def best_of(
     return min(times)
 
 
-def interleaved_min(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Seconds of each function's fastest run, the functions called in turn `repeats` times, so
-    that a slow spell of a shared host hits all of them alike and ratios stay fair."""
-    best = dict.fromkeys(fns, float("inf"))
+def interleaved_rounds(
+    fns: dict[str, Callable[[], object]], repeats: int
+) -> dict[str, list[float]]:
+    """Seconds of each function's run in each of `repeats` rounds, the functions called in turn
+    within a round (after one warm-up call each), so that a slow spell of a shared host hits
+    all of them alike: ratios of one round's times compare like with like."""
+    rounds: dict[str, list[float]] = {name: [] for name in fns}
     with torch.inference_mode():
         for fn in fns.values():
             fn()  # warm-up
@@ -41,8 +44,13 @@ def interleaved_min(fns: dict[str, Callable[[], object]], repeats: int) -> dict[
             for name, fn in fns.items():
                 start = time.perf_counter()
                 fn()
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best
+                rounds[name].append(time.perf_counter() - start)
+    return rounds
+
+
+def interleaved_min(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Seconds of each function's fastest run over `interleaved_rounds`."""
+    return {name: min(times) for name, times in interleaved_rounds(fns, repeats).items()}
 
 
 def matmul_floor(llm: LLM, batch: int) -> Callable[[], None]:
