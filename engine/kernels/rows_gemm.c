@@ -412,6 +412,12 @@ static inline int64_t claim_size(const job_t *job, int64_t left) {
     return take < 1 ? 1 : take > job->max_take ? job->max_take : take;
 }
 
+/* All of a job's units on the calling thread, in runs of max_take. */
+static void run_alone(const job_t *job) {
+    for (int64_t u = 0; u < job->nunits; u += job->max_take)
+        run_units(job, u, u + job->max_take < job->nunits ? u + job->max_take : job->nunits);
+}
+
 /* Claim and run units of generation `gen` until none is left. */
 static void work(const job_t *job, uint32_t gen) {
     uint64_t v = LOAD(pool.next);
@@ -603,15 +609,13 @@ static void run(const float *x, int64_t ldx, const void *w, const float *scales,
     job_t job = {x, w, scales, fmt, ps, wk, bias, y, m, k, n, ldx, group,
                  tile_units(npanels, group), max_take > 1 ? max_take : 1, threads};
     if (threads <= 1 || job.nunits <= 1) {
-        for (int64_t u = 0; u < job.nunits; u += job.max_take)
-            run_units(&job, u, u + job.max_take < job.nunits ? u + job.max_take : job.nunits);
+        run_alone(&job);
         return;
     }
     pthread_mutex_lock(&pool.call_mu);
     if (ensure_workers(threads) == 0) {
         pthread_mutex_unlock(&pool.call_mu);
-        for (int64_t u = 0; u < job.nunits; u += job.max_take)
-            run_units(&job, u, u + job.max_take < job.nunits ? u + job.max_take : job.nunits);
+        run_alone(&job);
         return;
     }
     /* `next` holds the finished generation with no unit left (set at the end of each call);
