@@ -1,11 +1,12 @@
-"""ctypes bindings of `cpu_kernels.c`, fused float32 CPU kernels for the decoder's glue, for
-attention over the paged KV cache and for the MLP speculator's drafting, and the build of every C
-kernel (`load_library`; `engine.kernels.rows` binds `rows_gemm.c` with it).
+"""ctypes bindings of the fused float32 CPU kernels: the decoder's glue (`cpu_kernels.c`),
+attention over the paged KV cache (`attention.c`) and the MLP speculator's drafting
+(`drafting.c`), one library; and the build of every C kernel (`load_library`;
+`engine.kernels.rows` binds `rows_gemm.c` with it).
 
-Each C file is compiled on first use with the system C compiler (`$CC`, else `cc`) for this CPU
-(`-march=native`) into `$SPECSERVE_HOME/kernels/`, keyed by the source, the flags and the CPU, so
-a later process loads it without compiling (`load_library`). Without a compiler
-`load_cpu_kernels` returns None and the model runs the same maths as ATen ops
+Each library is compiled on first use with the system C compiler (`$CC`, else `cc`) for this
+CPU (`-march=native`) into `$SPECSERVE_HOME/kernels/`, keyed by its sources and headers, the
+flags and the CPU, so that a later process loads it without compiling (`load_library`). Without
+a compiler `load_cpu_kernels` returns None and the model runs the same maths as ATen ops
 (`engine/models/llama.py`, `TorchAttentionBackend`).
 
 Why: op by op in ATen, the glue between a layer's matrix products is many small ops, each paying
@@ -37,7 +38,11 @@ from engine.paths import specserve_home
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_kernels.c", "attention.c", "drafting.c")
+)
+"""The C files of the CPU kernels' library (the glue, attention, drafting; all include
+cpu_math.h)."""
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
 
 _P = ctypes.c_void_p
@@ -186,15 +191,15 @@ def _cpu_signature() -> str:
 
 
 def _compile(
-    compiler: str, target: Path, source: Path = SOURCE, extra_flags: Sequence[str] = ()
+    compiler: str, target: Path, sources: Sequence[Path], extra_flags: Sequence[str] = ()
 ) -> None:
-    """Build `source` into the library `target`, atomically (a concurrent process may do the
+    """Build `sources` into the library `target`, atomically (a concurrent process may do the
     same)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *CFLAGS, *extra_flags, "-o", tmp, str(source), "-lm"]
+        cmd = [compiler, *CFLAGS, *extra_flags, "-o", tmp, *map(str, sources), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
@@ -205,9 +210,13 @@ def _compile(
 
 
 @functools.cache
-def load_library(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The C file `source` compiled with `CFLAGS` + `extra_flags` for this CPU, building it on
-    first use (cached per process, and on disk under `$SPECSERVE_HOME/kernels`).
+def load_library(
+    sources: Path | tuple[Path, ...], extra_flags: tuple[str, ...] = ()
+) -> ctypes.CDLL:
+    """The C file(s) `sources` compiled into one library with `CFLAGS` + `extra_flags` for this
+    CPU, building it on first use (cached per process, and on disk under
+    `$SPECSERVE_HOME/kernels` keyed by the sources, the headers beside them, the flags and the
+    CPU).
 
     Raises RuntimeError where no C compiler works or the platform is not Linux/macOS (or the
     build fails), OSError if the library cannot be loaded, subprocess.TimeoutExpired if the
@@ -216,17 +225,19 @@ def load_library(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None or os.name != "posix":
         raise RuntimeError("no C compiler found")
+    files = (sources,) if isinstance(sources, Path) else sources
+    headers = sorted({h for s in files for h in s.parent.glob("*.h")})
     flags = " ".join((*CFLAGS, *extra_flags))
-    key = hashlib.sha256(
-        source.read_bytes() + flags.encode() + _cpu_signature().encode()
-    ).hexdigest()[:16]
-    target = specserve_home() / "kernels" / f"{source.stem}-{key}.so"
+    digest = hashlib.sha256(flags.encode() + _cpu_signature().encode())
+    for path in (*files, *headers):
+        digest.update(path.read_bytes())
+    target = specserve_home() / "kernels" / f"{files[0].stem}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         try:
-            _compile(compiler, target, source, extra_flags)
+            _compile(compiler, target, files, extra_flags)
         except OSError:  # read-only home: build in a private temp folder instead
             target = Path(tempfile.mkdtemp(prefix="specserve-kernels-")) / target.name
-            _compile(compiler, target, source, extra_flags)
+            _compile(compiler, target, files, extra_flags)
     return ctypes.CDLL(str(target))
 
 
@@ -235,7 +246,7 @@ def load_cpu_kernels() -> CpuKernels | None:
     """The compiled kernels for this CPU, building them on first use; None (with a warning)
     where no C compiler works or the platform is not Linux/macOS."""
     try:
-        return CpuKernels(load_library(SOURCE))
+        return CpuKernels(load_library(SOURCES))
     except RuntimeError as e:
         if "no C compiler" in str(e):
             logger.warning("no C compiler found: CPU glue and attention run as ATen ops (slower)")

@@ -71,7 +71,7 @@ class RowsGemm:
         self._run_inplace = lib.rows_gemm_inplace
         self._run_q8 = lib.rows_gemm_q8
         self.isa: str = lib.rows_gemm_isa().decode()
-        # for C callers (cpu_kernels.c's speculator_draft)
+        # for C callers (drafting.c's speculator_draft)
         self.q8_address: int = ctypes.cast(lib.rows_gemm_q8, ctypes.c_void_p).value or 0
 
     @property

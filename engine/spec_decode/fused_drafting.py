@@ -1,4 +1,4 @@
-"""A whole "nodes" draft tree in one C call on a CPU (`cpu_kernels.c` `speculator_draft`).
+"""A whole "nodes" draft tree in one C call on a CPU (`drafting.c` `speculator_draft`).
 
 Drafting an MLP speculator's tree takes a few dozen small operations: per head a projection, a
 stage, the head's product and its top k, then the selection on the host. After a decode step has

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu import CpuKernels, load_cpu_kernels
+from engine.kernels.cpu import CpuKernels, load_cpu_kernels, load_library
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.llama import LlamaConfig
 
@@ -121,3 +122,22 @@ def test_log_softmax_topk_matches_aten(kernels: CpuKernels, rows: int, vocab: in
     columns = torch.randperm(50_000, generator=g)[:vocab]  # a draft vocabulary's token ids
     mapped_top, mapped = kernels.log_softmax_topk(logits, k, columns)
     assert torch.equal(mapped_top, top) and torch.equal(mapped, columns[ids])
+
+
+def test_a_library_is_rebuilt_when_a_header_beside_its_sources_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The on-disk cache key covers every source and the headers they may include."""
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path / "home"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.c").write_text('#include "value.h"\nint a_value(void) { return VALUE; }\n')
+    (src / "b.c").write_text('#include "value.h"\nint b_value(void) { return 10 * VALUE; }\n')
+    build = load_library.__wrapped__  # past the per-process cache
+    values = []
+    for value in (1, 2):
+        (src / "value.h").write_text(f"#define VALUE {value}\n")
+        lib = build((src / "a.c", src / "b.c"))
+        values.append((lib.a_value(), lib.b_value()))
+    assert values == [(1, 10), (2, 20)]
+    assert len(list((tmp_path / "home" / "kernels").glob("a-*.so"))) == 2
