@@ -71,7 +71,8 @@ class _DraftCall:
 
 class FusedNodeDrafting:
     """`speculator_draft` over `speculator`, whose projections and heads must all be int8 (they
-    are read in place: its modules must stay as they are)."""
+    are read in place: its modules must stay as they are). One call at a time: calls of one
+    shape share their host arrays."""
 
     def __init__(self, speculator: MLPSpeculator, kernels: CpuKernels, lib: RowsGemm) -> None:
         """ValueError unless every projection and head is an `Int8Head` of `lib`."""
