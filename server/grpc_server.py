@@ -7,8 +7,10 @@ Three layers, each protobuf-free except the servicer:
 - `server.output_tracker.OutputTracker` is TGIS's router logic for one input: UTF-8-safe
   incremental detokenization, stop sequences on the decoded text (§4.5), the TGIS stop reason,
   split into `OutputChunk`s.
-- `GenerationServicer` is the thin RPC layer: admission (MAX_CONCURRENT_REQUESTS), validation,
-  tokenization, and `server.convert` for every message; `server.job.Job` is one engine
+- `server.input_preparer.InputPreparer` tokenizes, validates and truncates each input and looks
+  up its prompt prefix.
+- `GenerationServicer` is the thin RPC layer: admission (MAX_CONCURRENT_REQUESTS), request
+  validation, and `server.convert` for every message; `server.job.Job` is one engine
   request seen from the event loop, and `server.status.handle_errors` maps exceptions to
   status codes.
 
@@ -30,27 +32,20 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from opentelemetry.trace import Span
 from transformers import PreTrainedTokenizerBase
 
-from engine.request import PromptPrefix
 from server import convert
 from server.config import DEFAULT_MAX_RESPONSE_BYTES
 from server.convert import OutputChunk
 from server.engine_worker import EngineWorker, Submission
 from server.errors import Overloaded, SizeBound, TokenizerFailure
+from server.input_preparer import InputPreparer, PreparedInput
 from server.job import Job, deliver
-from server.messages import (
-    clip,
-    prefix_lookup_error,
-    prefix_not_found_reason,
-    prefix_token_details_error,
-    tokenizer_error,
-)
+from server.messages import clip
 from server.metrics import ServerMetrics
 from server.output_tracker import OutputTracker
 from server.pb import generation_pb2 as pb
@@ -60,30 +55,14 @@ from server.proto_fields import check_known_fields
 from server.status import handle_errors
 from server.tracing import RequestTracer, SequenceRecord, rpc_span
 from server.validation import (
-    DecodingParams,
     Limits,
     check_input_size,
     request_parameters,
-    validate_input,
 )
 
 T = TypeVar("T")
 
 OVERLOADED_MSG = "Model is overloaded"
-
-
-@dataclass(frozen=True)
-class PreparedInput:
-    """A validated, tokenized input: `input_token_ids` after truncation (their count is the
-    reported input_token_count); `prompt_token_ids` go to the model: the same, or a single
-    BOS/EOS for an empty input, after the `prompt_prefix`'s embeddings when there is one."""
-
-    text: str
-    input_token_ids: list[int]
-    prompt_token_ids: list[int]
-    input_token_count: int
-    params: DecodingParams
-    prompt_prefix: PromptPrefix | None = None
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -108,7 +87,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         prefixes: PrefixStore | None = None,
     ) -> None:
         self.worker = worker
-        self.prefixes = prefixes
         self.tracer = tracer
         self.tokenizer = tokenizer
         self.limits = limits
@@ -120,11 +98,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         workers = tokenization_workers or min(8, os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
         self._in_flight = 0
-        bos = tokenizer.bos_token_id
-        probe = list(tokenizer("a")["input_ids"])
-        self._bos_id: int | None = bos if probe and probe[0] == bos else None
-        fallback = bos if bos is not None else tokenizer.eos_token_id
-        self._empty_prompt = [fallback if fallback is not None else 0]
+        self._inputs = InputPreparer(tokenizer, limits, metrics, prefixes)
 
     def close(self) -> None:
         """Stop the tokenization threads (work already queued is dropped)."""
@@ -143,48 +117,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             yield
         finally:
             self._in_flight -= n
-
-    def _prepare_all(
-        self, texts: Sequence[str], params: DecodingParams, prefix_id: str | None = None
-    ) -> list[PreparedInput]:
-        """`_prepare` each input in order (on the tokenization pool) after the prompt prefix
-        `prefix_id`, if any; the first failure raises."""
-        prefix = self._prefix(prefix_id, params)
-        return [self._prepare(text, params, prefix) for text in texts]
-
-    def _prefix(self, prefix_id: str | None, params: DecodingParams) -> PromptPrefix | None:
-        """The prompt prefix `prefix_id` (None: no prefix). ValidationError with TGIS's message
-        when it cannot be loaded, and when the request asks for input token details, which
-        prompt-prefix positions do not have."""
-        if prefix_id is None:
-            return None
-        if self.prefixes is None:
-            self.metrics.prompt_load_failure.inc()
-            raise prefix_lookup_error(prefix_id, prefix_not_found_reason(prefix_id))
-        prefix = self.prefixes.get(prefix_id)
-        if params.input_tokens and convert.wants_token_details(params):
-            raise prefix_token_details_error()
-        return prefix
-
-    def _prepare(
-        self, text: str, params: DecodingParams, prefix: PromptPrefix | None = None
-    ) -> PreparedInput:
-        try:
-            ids = list(self.tokenizer(text)["input_ids"])
-        except Exception as e:
-            raise tokenizer_error(str(e)) from e
-        self.metrics.request_raw_input_length.observe(len(ids))
-        prefix_length = 0 if prefix is None else prefix.num_tokens
-        validated = validate_input(params, len(ids), self.limits, prefix_length)
-        self.metrics.request_input_length.observe(validated.input_length)
-        truncate = validated.params.truncate_input_tokens
-        if truncate:
-            ids = ids[-truncate:]
-            if self._bos_id is not None:
-                ids[0] = self._bos_id
-        self.metrics.request_max_new_tokens.observe(validated.params.max_new_tokens)
-        prompt = ids or list(self._empty_prompt)
-        return PreparedInput(text, ids, prompt, validated.input_length, validated.params, prefix)
 
     def _tracker(self, inp: PreparedInput) -> OutputTracker:
         include = inp.params.include_stop_sequence
@@ -282,7 +214,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 for text in texts:
                     check_input_size(text, self.limits)
                 prefix_id = request.prefix_id if request.HasField("prefix_id") else None
-                inputs = await self._off_loop(self._prepare_all, texts, params, prefix_id)
+                inputs = await self._off_loop(self._inputs.prepare_all, texts, params, prefix_id)
                 validation = time.monotonic() - t0
                 self.metrics.request_validation_duration.observe(validation)
                 span.set_attribute("validation_time_s", validation)
@@ -325,7 +257,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             check_input_size(request.request.text, self.limits)
             prefix_id = request.prefix_id if request.HasField("prefix_id") else None
             (inp,) = await self._off_loop(
-                self._prepare_all, [request.request.text], params, prefix_id
+                self._inputs.prepare_all, [request.request.text], params, prefix_id
             )
             validation = time.monotonic() - t0
             self.metrics.request_validation_duration.observe(validation)
