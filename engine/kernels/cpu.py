@@ -48,7 +48,6 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
-_C_INT = ctypes.c_int
 # name -> (argument types, result type)
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rms_norm": ([_P, _I, _P, _P, _I, _I, _F], None),
@@ -63,7 +62,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "log_softmax_topk": ([_P, _I, _I, _I, _P, _P, _P], None),
     "speculator_draft": (
         [_P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _I, _P, _F, _F, _I, _I] + [_P] * 4,
-        _C_INT,
+        ctypes.c_int,
     ),
 }
 
