@@ -7,7 +7,8 @@ draft vocabulary when it has one) or a random one of the same shape over the who
 `--worst-case` uses five disjoint paths instead (16 rows). It is verified whole and cut to its
 first `--rows` rows (4 and 8 by default), as the scheduler
 trims trees. Per tree size the speculator's drafting time is reported too, as the engine drafts
-a tree it verifies whole (`MLPProposer.propose` asked for that many drafts), and
+a tree it verifies whole (`MLPProposer.propose` asked for that many drafts), timed right after
+that tree's verify step as the engine drafts (on the caches the step left), and
 (verify + drafting) / plain: what a step that gains tokens by speculation costs against a plain
 step. All of these are timed in one interleaved run, and reported as each one's fastest run;
 "paired" is the median over the run's rounds of that round's (verify + drafting) / plain,
@@ -150,9 +151,10 @@ def main() -> None:
     with engine_step(llm, [prompt]) as plain:
         fns["plain"], fns["floor1"] = plain, matmul_floor(llm, 1)
         for rows, verify in verifies.items():
-            # as the engine drafts a tree of rows - 1 drafts, and verifies it
-            fns[f"draft{rows}"] = lambda rows=rows: proposer.propose([proposal], rows - 1)
+            # verified, then drafted from (a tree of rows - 1 drafts), as the engine drafts the
+            # next tree right after a verify step, on the caches that step left
             fns[f"verify{rows}"] = lambda verify=verify: runner.execute([verify])
+            fns[f"draft{rows}"] = lambda rows=rows: proposer.propose([proposal], rows - 1)
             fns[f"floor{rows}"] = matmul_floor(llm, rows)
         rounds = interleaved_rounds(fns, args.repeats)
         times = {name: min(t) * 1e3 for name, t in rounds.items()}
