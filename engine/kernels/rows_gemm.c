@@ -88,8 +88,13 @@ typedef void (*tile_fn)(const float *x, int64_t ldx, const void *w, const float 
 #define WLOAD_F32(p) _mm512_loadu_ps(p)
 #define WLOAD_Q8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 
+/* The running sums of the KBLOCK blocks stay in `part` (the tile's stack frame) and y is
+ * written once, at the last block: rows of y whose stride is a multiple of 4 KiB (gate/up
+ * products, vocabulary heads) would alias one another in the load/store unit if each block
+ * re-read them. */
 #define TILE_BODY(MR, NB, WLOAD, SCALED) \
     int64_t k0 = 0; \
+    __m512 part[MR][NB]; \
     do { \
         const int64_t k1 = k - k0 < KBLOCK ? k : k0 + KBLOCK; \
         __m512 acc[MR][NB]; \
@@ -128,8 +133,9 @@ _Pragma("GCC unroll 16") \
                 float *dst = y + i * ldy + j * PANEL; \
                 __m512 v = acc[i][j]; \
                 if (SCALED) v = _mm512_mul_ps(v, s); \
-                if (k0) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), v); \
-                _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(v, b)); \
+                if (k0) v = _mm512_add_ps(part[i][j], v); \
+                if (k1 == k) _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(v, b)); \
+                else part[i][j] = v; \
             } \
         } \
         k0 = k1; \
