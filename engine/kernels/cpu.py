@@ -53,6 +53,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rms_norm": ([_P, _I, _P, _P, _I, _I, _F], None),
     "add_rms_norm": ([_P, _I, _P, _P, _P, _I, _I, _F], None),
     "silu_and_mul": ([_P, _P, _I, _I], None),
+    "gather_columns": ([_P, _I, _I, _P, _I, _P], None),
     "rope": ([_P, _I, _I, _I, _P, _P, _I], None),
     "store_and_attend": (
         [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P] + [_I] * 5 + [_F],
@@ -85,6 +86,7 @@ class CpuKernels:
         self._add_rms_norm = lib.add_rms_norm
         self._silu_and_mul = lib.silu_and_mul
         self._rope = lib.rope
+        self._gather_columns = lib.gather_columns
         self.store_and_attend = lib.store_and_attend  # called by CpuAttentionBackend
         self._speculator_stage = lib.speculator_stage
         self._log_softmax_topk = lib.log_softmax_topk
@@ -115,6 +117,15 @@ class CpuKernels:
         n, d = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(n, d, dtype=torch.float32)
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), n, d)
+        return out
+
+    def gather_columns(self, wt: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """wt [k, *] (any row stride), ids [N] int64 (each within wt's columns) -> wt[:, ids]^T,
+        [N, k]: a tied embedding's rows from its head's transposed storage."""
+        k, n = wt.shape[0], ids.shape[0]
+        out = torch.empty(n, k, dtype=torch.float32)
+        ids = ids.contiguous()
+        self._gather_columns(wt.data_ptr(), wt.stride(0), k, ids.data_ptr(), n, out.data_ptr())
         return out
 
     def rope_(

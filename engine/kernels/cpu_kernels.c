@@ -1,6 +1,6 @@
 /*
  * Fused float32 CPU kernels for the decoder's glue between matrix products: RMSNorm (with the
- * residual add), SiLU-and-multiply and RoPE. Attention over the paged KV cache is in attention.c,
+ * residual add), SiLU-and-multiply, RoPE, and a tied embedding's gather. Attention over the paged KV cache is in attention.c,
  * the MLP speculator's drafting in drafting.c; the three build into one library
  * (engine/kernels/cpu.py).
  *
@@ -66,6 +66,25 @@ void rope(float *x, int64_t x_stride, int64_t num_heads, int64_t head_dim,
                 x1[i] = a * c[i] + b * s[i];
                 x2[i] = b * c[half + i] + a * s[half + i];
             }
+        }
+    }
+}
+
+/* Columns ids[0 .. n) of W^T [k, *] (row stride ldw): out[i, kk] = wt[kk * ldw + ids[i]], out
+ * [n, k] contiguous; a tied embedding's rows read from its head's transposed storage. Each
+ * element sits on a cache line of its own, so the lines of the next GATHER_AHEAD steps are
+ * prefetched for every column at once. */
+#define GATHER_AHEAD 16
+void gather_columns(const float *wt, int64_t ldw, int64_t k, const int64_t *ids, int64_t n,
+                    float *out) {
+    for (int64_t kk = 0; kk < k && kk < GATHER_AHEAD; kk++) {
+        for (int64_t i = 0; i < n; i++) __builtin_prefetch(wt + kk * ldw + ids[i]);
+    }
+    for (int64_t kk = 0; kk < k; kk++) {
+        const float *row = wt + kk * ldw;
+        for (int64_t i = 0; i < n; i++) {
+            if (kk + GATHER_AHEAD < k) __builtin_prefetch(row + GATHER_AHEAD * ldw + ids[i]);
+            out[i * k + kk] = row[ids[i]];
         }
     }
 }

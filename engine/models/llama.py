@@ -7,8 +7,8 @@ draft-tree tokens) and explicit attention metadata; it never sees requests or se
 columns are q, k, v by heads, and gate then up.
 
 With `kernels` (CPU float32), the glue between matrix products runs as fused C kernels
-(`engine/kernels/cpu.py`): residual add + RMSNorm, RoPE in place, SiLU-and-mul. Without them it runs
-the same maths as ATen ops.
+(`engine/kernels/cpu.py`): residual add + RMSNorm, RoPE in place, SiLU-and-mul, and a tied
+embedding's gather of rows. Without them it runs the same maths as ATen ops.
 
 The families' constants are folded into the weights as they load (`weight_targets`), so that
 their forward pass is Llama's: attention_multiplier * sqrt(head_dim) into q_proj (the backends
@@ -214,7 +214,10 @@ class LlamaModel(nn.Module):
         embedding_multiplier."""
         if self.embed_tokens is not None:
             return self.embed_tokens[ids]
-        rows = self.lm_head.embedding_rows(ids)
+        if self.kernels is not None and self.lm_head.transposed:
+            rows = self.kernels.gather_columns(self.lm_head.storage, ids)
+        else:
+            rows = self.lm_head.embedding_rows(ids)
         return rows if self.embed_scale is None else rows.mul_(self.embed_scale)
 
     def scale_input_embeds(self, embeds: torch.Tensor) -> torch.Tensor:

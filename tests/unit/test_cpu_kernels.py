@@ -54,6 +54,17 @@ def test_silu_and_mul_over_the_whole_float_range(kernels: CpuKernels) -> None:
     torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize(("num_ids", "rows"), [(0, 40), (1, 40), (4, 10), (33, 576)])
+def test_gather_columns_matches_index_select(kernels: CpuKernels, num_ids: int, rows: int) -> None:
+    g = torch.Generator().manual_seed(num_ids)
+    wide = torch.randn(rows, 1003, generator=g)
+    wt = wide[:, :1000]  # a row stride other than the width
+    ids = torch.randint(0, 1000, (num_ids,), generator=g)
+    ids[-1:] = 999  # the last column
+    expected = wt.index_select(1, ids).t()  # [N, rows]
+    torch.testing.assert_close(kernels.gather_columns(wt, ids), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}])
 def test_rope_in_place_matches_rotate(kernels: CpuKernels, scaling: dict | None) -> None:
     heads, head_dim, num_tokens = 5, 64, 7
