@@ -97,7 +97,7 @@ class FusedNodeDrafting:
 
     def draft(
         self,
-        states: torch.Tensor,  # [B, emb_dim] float32, rows contiguous
+        states: Sequence[torch.Tensor],  # per request [emb_dim] float32
         root_tokens: Sequence[int],
         top_k: Sequence[int],
         num_drafts: int,
@@ -106,17 +106,26 @@ class FusedNodeDrafting:
         """Per request, the tree of the first `num_drafts` nodes of the top-k tree in node_picks'
         order (every node after its parent), cut to `max_depths[b]` drafts deep as
         `DraftTree.from_paths` cuts paths. ValueError for a head's top k above 256 or above
-        the tokens the heads score; MemoryError if the kernel runs out of memory."""
+        the tokens the heads score; MemoryError if the kernel runs out of memory.
+
+        Right after a decode step each Python operation here costs microseconds (the step has
+        pushed the interpreter's state out of the caches), so a single request's state is read
+        in place and the host arrays are read back whole, once."""
         key = (len(root_tokens), tuple(top_k), num_drafts)
         call = self._calls.get(key) or self._prepare(*key)
-        call.root_tokens[:] = root_tokens
-        if self.kernels.speculator_draft(states.data_ptr(), states.stride(0), *call.args) != 0:
+        for b, token in enumerate(root_tokens):
+            call.root_tokens[b] = token
+        one = states[0]
+        if len(states) == 1 and one.dtype is torch.float32 and one.is_contiguous():
+            rows = one  # [emb_dim]: one row, whose stride the kernel does not read
+        else:
+            rows = torch.stack(list(states)).float()  # [B, emb_dim]
+        if self.kernels.speculator_draft(rows.data_ptr(), one.shape[-1], *call.args) != 0:
             raise MemoryError("speculator_draft: out of memory")
+        tokens, parents, counts = call.tokens.tolist(), call.parents.tolist(), call.counts.tolist()
         return [
-            _node_tree(t[:n].tolist(), p[:n].tolist(), d)
-            for t, p, n, d in zip(
-                call.tokens, call.parents, call.counts.tolist(), max_depths, strict=True
-            )
+            _node_tree(t[:n], p[:n], d)
+            for t, p, n, d in zip(tokens, parents, counts, max_depths, strict=True)
         ]
 
     def _prepare(self, batch: int, top_k: tuple[int, ...], num_drafts: int) -> _DraftCall:
@@ -149,8 +158,9 @@ def _node_tree(token_ids: list[int], parents: list[int], max_depth: int) -> Draf
     of node j's parent, -1 for the root), each node a candidate; as `DraftTree.from_paths`
     makes it from the nodes' paths, cut to `max_depth` drafts."""
     depths: list[int] = []
-    for p in parents:
-        depths.append(1 if p < 0 else depths[p] + 1)
+    if len(token_ids) > max_depth:  # else no node can be deeper than max_depth
+        for p in parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
     if max(depths, default=0) <= max_depth:
         leaves = tuple(range(1, len(token_ids) + 1))
         return DraftTree(tuple(token_ids), tuple(p + 1 for p in parents), leaves)

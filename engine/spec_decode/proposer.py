@@ -144,6 +144,9 @@ class MLPProposer:
         self.n_candidates = n_candidates or config.n_candidates
         self.selection = selection
         check_tree_shape(config.n_predict, self.top_k_tokens_per_head, self.n_candidates)
+        self._num_candidates = num_candidates(
+            self.top_k_tokens_per_head, self.n_candidates, self.selection
+        )
         self.fused: FusedNodeDrafting | None = None  # "nodes" trees in one C call, on a CPU
         param = next(speculator.parameters())
         kernels, lib = mlp_speculator.fused_kernels(param), load_rows_gemm()
@@ -157,7 +160,7 @@ class MLPProposer:
 
     @property
     def num_candidates(self) -> int:
-        return num_candidates(self.top_k_tokens_per_head, self.n_candidates, self.selection)
+        return self._num_candidates
 
     def propose(
         self, inputs: Sequence[ProposalInput], max_candidates: int | None = None
@@ -165,9 +168,9 @@ class MLPProposer:
         if not inputs:
             return []
         if self.fused is not None:  # float32 on a CPU
-            num_drafts = min(max_candidates or self.num_candidates, self.num_candidates)
+            num_drafts = min(max_candidates or self._num_candidates, self._num_candidates)
             return self.fused.draft(
-                _stacked(inputs, torch.float32, torch.device("cpu")),
+                [p.hidden_state for p in inputs],
                 [p.token_ids[-1] for p in inputs],
                 self.top_k_tokens_per_head,
                 num_drafts,

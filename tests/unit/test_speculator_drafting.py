@@ -354,7 +354,7 @@ def test_fused_drafting_refuses_more_tokens_per_head_than_the_heads_score() -> N
     kernels, lib = load_cpu_kernels(), load_rows_gemm()
     assert kernels is not None and lib is not None
     fused = FusedNodeDrafting(model, kernels, lib)
-    states = torch.randn(1, EMB_DIM, generator=torch.Generator().manual_seed(20))
+    states = [torch.randn(EMB_DIM, generator=torch.Generator().manual_seed(20))]
     with pytest.raises(ValueError, match="at most 40 tokens per head"):
         fused.draft(states, [1], (41, 1, 1), 3, [3])
     (tree,) = fused.draft(states, [1], (40, 1, 1), 3, [3])
