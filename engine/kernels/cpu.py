@@ -53,7 +53,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rms_norm": ([_P, _I, _P, _P, _I, _I, _F], None),
     "add_rms_norm": ([_P, _I, _P, _P, _P, _I, _I, _F], None),
     "silu_and_mul": ([_P, _P, _I, _I], None),
-    "gather_columns": ([_P, _I, _I, _P, _I, _P], None),
+    "gather_columns": ([_P, _I, _I, _I, _P, _I, _P], ctypes.c_int),
     "rope": ([_P, _I, _I, _I, _P, _P, _I], None),
     "store_and_attend": (
         [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P] + [_I] * 5 + [_F],
@@ -120,12 +120,15 @@ class CpuKernels:
         return out
 
     def gather_columns(self, wt: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """wt [k, *] (any row stride), ids [N] int64 (each within wt's columns) -> wt[:, ids]^T,
-        [N, k]: a tied embedding's rows from its head's transposed storage."""
-        k, n = wt.shape[0], ids.shape[0]
+        """wt [k, ncols] (any row stride), ids [N] int64 -> wt[:, ids]^T, [N, k]: a tied
+        embedding's rows from its head's transposed storage. IndexError for an id outside
+        [0, ncols)."""
+        (k, ncols), n = wt.shape, ids.shape[0]
         out = torch.empty(n, k, dtype=torch.float32)
         ids = ids.contiguous()
-        self._gather_columns(wt.data_ptr(), wt.stride(0), k, ids.data_ptr(), n, out.data_ptr())
+        args = (wt.data_ptr(), wt.stride(0), k, ncols, ids.data_ptr(), n, out.data_ptr())
+        if self._gather_columns(*args) != 0:
+            raise IndexError(f"gather_columns: an id is outside [0, {ncols})")
         return out
 
     def rope_(

@@ -1,8 +1,8 @@
 /*
  * Fused float32 CPU kernels for the decoder's glue between matrix products: RMSNorm (with the
- * residual add), SiLU-and-multiply, RoPE, and a tied embedding's gather. Attention over the paged KV cache is in attention.c,
- * the MLP speculator's drafting in drafting.c; the three build into one library
- * (engine/kernels/cpu.py).
+ * residual add), SiLU-and-multiply, RoPE, and a tied embedding's gather. Attention over the
+ * paged KV cache is in attention.c, the MLP speculator's drafting in drafting.c; the three build
+ * into one library (engine/kernels/cpu.py).
  *
  * Each entry point replaces several ATen ops (each paying a dispatch cost larger than its work on
  * a small tensor) with one call. Loops are written so that the compiler vectorises them with
@@ -70,13 +70,17 @@ void rope(float *x, int64_t x_stride, int64_t num_heads, int64_t head_dim,
     }
 }
 
-/* Columns ids[0 .. n) of W^T [k, *] (row stride ldw): out[i, kk] = wt[kk * ldw + ids[i]], out
- * [n, k] contiguous; a tied embedding's rows read from its head's transposed storage. Each
+/* Columns ids[0 .. n) of W^T [k, ncols] (row stride ldw): out[i, kk] = wt[kk * ldw + ids[i]],
+ * out [n, k] contiguous; a tied embedding's rows read from its head's transposed storage. Each
  * element sits on a cache line of its own, so the lines of the next GATHER_AHEAD steps are
- * prefetched for every column at once. */
+ * prefetched for every column at once. Returns 0, or -1 (out untouched) if an id is not in
+ * [0, ncols). */
 #define GATHER_AHEAD 16
-void gather_columns(const float *wt, int64_t ldw, int64_t k, const int64_t *ids, int64_t n,
-                    float *out) {
+int gather_columns(const float *wt, int64_t ldw, int64_t k, int64_t ncols, const int64_t *ids,
+                   int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= ncols) return -1;
+    }
     for (int64_t kk = 0; kk < k && kk < GATHER_AHEAD; kk++) {
         for (int64_t i = 0; i < n; i++) __builtin_prefetch(wt + kk * ldw + ids[i]);
     }
@@ -87,4 +91,5 @@ void gather_columns(const float *wt, int64_t ldw, int64_t k, const int64_t *ids,
             out[i * k + kk] = row[ids[i]];
         }
     }
+    return 0;
 }

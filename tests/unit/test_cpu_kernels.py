@@ -65,6 +65,13 @@ def test_gather_columns_matches_index_select(kernels: CpuKernels, num_ids: int, 
     torch.testing.assert_close(kernels.gather_columns(wt, ids), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bad_id", [-1, 1000])
+def test_gather_columns_refuses_an_id_outside_the_columns(kernels: CpuKernels, bad_id: int) -> None:
+    wt = torch.randn(8, 1000)
+    with pytest.raises(IndexError, match="outside"):
+        kernels.gather_columns(wt, torch.tensor([3, bad_id]))
+
+
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}])
 def test_rope_in_place_matches_rotate(kernels: CpuKernels, scaling: dict | None) -> None:
     heads, head_dim, num_tokens = 5, 64, 7
