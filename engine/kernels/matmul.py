@@ -189,9 +189,10 @@ def _build_mlas(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
     return run
 
 
-ROWS_MAX = 32
-"""The most rows the "rows" kernel computes itself; it hands larger products (prompts) to
-oneDNN, whose blocked kernels suit compute-bound shapes."""
+ROWS_MAX = 64
+"""The most rows the "rows" kernel computes itself (in passes of up to 16 rows over each run of
+panels, the later passes reading it from cache); it hands larger products (prompts) to oneDNN,
+whose blocked kernels suit compute-bound shapes."""
 
 
 def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> KernelFn:
@@ -288,7 +289,7 @@ KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
 # CPU fp32 plan before selection, (largest M served, kernel; the last serves every larger M): the
 # "rows" kernel streams each weight once for all rows of a decode or verify step; oneDNN serves
 # prefill-sized M. Without rows_gemm.c (no C compiler) OpenBLAS serves M = 1 instead.
-_CPU_DEFAULT = ((32, "rows", _build_rows_lazy), (33, "onednn", _build_onednn))
+_CPU_DEFAULT = ((ROWS_MAX, "rows", _build_rows_lazy), (ROWS_MAX + 1, "onednn", _build_onednn))
 _CPU_FALLBACK = ((1, "openblas", _build_openblas), (2, "onednn", _build_onednn))
 
 
@@ -310,7 +311,7 @@ def default_kernel(m: int) -> str:
 def default_plan(layer: MatmulLayer) -> dict[int, tuple[str, KernelFn]]:
     """The kernels a layer uses until selection, as ``{M bucket: (name, kernel)}`` (bucket = the
     largest M it serves, the largest bucket serving every M above too): CPU fp32 layers get the
-    "rows" kernel, packed at its first call, for M = 1 to 32 and oneDNN above (OpenBLAS, 1
+    "rows" kernel, packed at its first call, for M = 1 to 64 and oneDNN above (OpenBLAS, 1
     thread, for M = 1 and oneDNN above where rows_gemm.c cannot be built); other dtypes and
     devices get ``F.linear`` for every M."""
     if _cpu_fp32(layer) and layer.storage.device.type == "cpu":

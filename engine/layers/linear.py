@@ -28,7 +28,7 @@ class Linear(torch.nn.Module):
     """y = x @ W^T + b. W is [out_features, in_features] logically (HF layout); the storage
     layout and the kernel are private.
 
-    Until ``select_kernels`` runs, CPU fp32 layers use the "rows" kernel for M = 1 to 32 and oneDNN
+    Until ``select_kernels`` runs, CPU fp32 layers use the "rows" kernel for M = 1 to 64 and oneDNN
     above (`engine.kernels.matmul.default_plan`); other dtypes and devices use ``F.linear``.
     Weights must be written through ``load_rows`` / ``load_bias`` (which bump
     ``weights_version``), or before the first ``forward``: kernels that hold a re-laid-out copy

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.kernels.autotune import select_kernels
-from engine.kernels.matmul import KERNELS, default_kernel
+from engine.kernels.matmul import KERNELS, ROWS_MAX, default_kernel
 from engine.layers.linear import Linear
 
 SHAPES = [(64, 96), (96, 40)]  # (in, out)
@@ -251,7 +251,7 @@ def test_non_fp32_cpu_uses_torch() -> None:
 
 def test_defaults_and_layout() -> None:
     layer = Linear(24, 40, dtype=torch.float32, device="cpu")
-    assert layer.kernel_names == {32: "rows", 33: "onednn"}
+    assert layer.kernel_names == {ROWS_MAX: "rows", ROWS_MAX + 1: "onednn"}
     assert layer.storage.shape == (24, 40) and layer.storage.is_contiguous()  # W^T [in, out]
     assert layer.weight_view().shape == (40, 24)
 

@@ -14,7 +14,7 @@ from engine.kernels.matmul import KERNELS
 from engine.kernels.rows import RowsGemm, load_rows_gemm
 from engine.layers.linear import Linear
 
-ROWS = [*range(1, 18), 24, 33]
+ROWS = [*range(1, 18), 24, 33, 64]
 SHAPES = [(7, 13), (64, 96), (33, 200), (576, 960), (1536, 576), (576, 1536)]  # (in, out)
 
 
