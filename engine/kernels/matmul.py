@@ -190,9 +190,9 @@ def _build_mlas(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
 
 
 ROWS_MAX = 64
-"""The most rows the "rows" kernel computes itself (in passes of up to 16 rows over each run of
-panels, the later passes reading it from cache); it hands larger products (prompts) to oneDNN,
-whose blocked kernels suit compute-bound shapes."""
+"""The most rows the "rows" kernel computes itself (in row groups of at most its `group_rows`,
+each later group reading a run of panels from cache); it hands larger products (prompts) to
+oneDNN, whose blocked kernels suit compute-bound shapes."""
 
 
 def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> KernelFn:
