@@ -15,6 +15,7 @@ from collections import Counter
 
 import torch
 
+from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.spec_decode.policy import Method, SpeculationPolicy
 from engine.spec_decode.proposer import ProposalInput, Proposer
@@ -65,43 +66,41 @@ class Drafter:
     ) -> dict[str, DraftTree]:
         if scheduler.num_running > self.max_batch_size:
             return {}
-        inputs: list[ProposalInput] = []
-        methods: list[Method] = []
+        ready: list[tuple[Request, torch.Tensor, int]] = []  # (request, hidden, max depth)
+        num_plain_rows = 0  # the rows of the requests that do not draft
+        num_heads = self.proposer.num_heads
         for req in scheduler.running:
             hidden = hidden_states.get(req.request_id)
-            if hidden is None or req.num_computed_tokens != req.num_tokens - 1:
-                continue
-            remaining = min(
-                req.sampling_params.max_new_tokens - req.num_output_tokens,
-                scheduler.max_model_len - req.num_tokens,
-            )
-            max_depth = min(self.proposer.num_heads, remaining - 1)
-            if max_depth >= 1:
-                inputs.append(ProposalInput(req.request_id, req.all_token_ids, hidden, max_depth))
-                methods.append(Method.of(req.sampling_params))
+            num_tokens = req.num_tokens
+            if hidden is not None and req.num_computed_tokens == num_tokens - 1:
+                remaining = min(
+                    req.sampling_params.max_new_tokens - req.num_output_tokens,
+                    scheduler.max_model_len - num_tokens,
+                )
+                if remaining > 1:
+                    ready.append((req, hidden, min(num_heads, remaining - 1)))
+                    continue
+            num_plain_rows += num_tokens - req.num_computed_tokens
+        if not ready:
+            return {}
+        methods = [Method.of(req.sampling_params) for req, _, _ in ready]
         full = self.proposer.num_candidates
         choice = dict.fromkeys(methods, full)
-        if self.policy is not None and inputs:
-            drafting = {p.request_id for p in inputs}
-            num_plain_rows = min(
-                sum(
-                    req.num_tokens - req.num_computed_tokens
-                    for req in scheduler.running
-                    if req.request_id not in drafting
-                ),
-                scheduler.config.max_num_batched_tokens - len(inputs),
-            )
-            choice = self.policy.choose(num_plain_rows, Counter(methods))
-        refreshing = set(self.policy.refreshing) if self.policy is not None else set()
+        refreshing: set[Method] = set()
+        if self.policy is not None:
+            max_plain_rows = scheduler.config.max_num_batched_tokens - len(ready)
+            choice = self.policy.choose(min(num_plain_rows, max_plain_rows), Counter(methods))
+            if not choice:
+                return {}
+            refreshing = set(self.policy.refreshing)
         chosen = []  # (input, candidates): one full tree for each refreshing method
-        for p, m in zip(inputs, methods, strict=True):
+        for (req, hidden, max_depth), m in zip(ready, methods, strict=True):
             if choice.get(m):
+                p = ProposalInput(req.request_id, req.all_token_ids, hidden, max_depth)
                 chosen.append((p, full if m in refreshing else choice[m]))
                 refreshing.discard(m)
         if self.policy is not None and self.policy.probing:
             chosen = chosen[:1]
-        if not chosen:
-            return {}
         trees = self.proposer.propose([p for p, _ in chosen], max(k for _, k in chosen))
         return {
             p.request_id: tree if k == full else tree.first_candidates(k)
