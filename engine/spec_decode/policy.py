@@ -27,8 +27,12 @@ verifies the full tree (`refreshing` names its method; the others keep the choic
 stays current for every k; after `explore_every` plain decisions in a row the tree is tried
 again, so that one unlucky measurement (drafts that missed) cannot turn speculation off for
 good. Such tries only measure: `probing` tells the engine to draft for one request. So a probe
-or a refresh costs one tree's rows, whatever the batch. A number of trees never timed is
-priced from the nearest one timed (fewer preferred); the step that follows measures it.
+or a refresh costs one tree's rows, whatever the batch. A try that the policy does not follow
+by speculating doubles the wait for the next one, up to `max_explore_every` decisions (where
+speculation does not pay, as with a large batch, tries cost little), and the policy's own
+choice to speculate brings it back to `explore_every`. A number of trees never timed is
+priced between the nearest fewer and more trees timed, or as the nearest outside them; the step
+that follows measures it.
 """
 
 from __future__ import annotations
@@ -86,7 +90,31 @@ class _Fastest:
         return len(self.samples)
 
 
-_StepTimes = dict[int, _Fastest]  # rows -> step seconds
+class _StepTimes:
+    """Step seconds by row count, each the fastest of its recent samples, and the curve through
+    them, rebuilt only after one of them changed: a busy engine records a step time every step,
+    and most leave every fastest as it was."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.by_rows: dict[int, _Fastest] = {}
+        self.version = 0  # counts the changes of the curve
+        self._curve: _Curve | None = None
+
+    def add(self, num_rows: int, seconds: float, when: int) -> None:
+        fastest = self.by_rows.get(num_rows)
+        if fastest is None:
+            fastest = self.by_rows[num_rows] = _Fastest(self.window)
+        before = fastest.value if fastest.count else None
+        fastest.add(seconds, when)
+        if fastest.value != before:
+            self.version += 1
+            self._curve = None
+
+    def curve(self) -> _Curve:
+        if self._curve is None:
+            self._curve = _Curve({r: m.value for r, m in self.by_rows.items()})
+        return self._curve
 
 
 class Acceptance:
@@ -119,20 +147,30 @@ class SpeculationPolicy:
         refresh_every: int = 16,
         alpha: float = 0.05,
         explore_every: int = 100,
+        max_explore_every: int = 800,
         window: int = 8,
         min_samples: int = 3,
     ) -> None:
         if num_candidates < 1:
             raise ValueError(f"num_candidates must be positive, got {num_candidates}")
+        if not 0 < explore_every <= max_explore_every:
+            raise ValueError(
+                f"need 0 < explore_every ({explore_every}) <= max_explore_every "
+                f"({max_explore_every})"
+            )
         self.num_candidates = num_candidates
         self.refresh_every = refresh_every
         self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
+        self._explore_wait = explore_every  # plain decisions in a row before the next try
         self.alpha = alpha
         self.window = window
         self.min_samples = min_samples
         self.acceptance = {m: Acceptance(num_candidates, alpha) for m in Method}
-        self._plain_seconds: _StepTimes = {}
+        self._plain_seconds = _StepTimes(window)
         self._spec_seconds: dict[int, _StepTimes] = {}  # number of trees -> their step times
+        # number of trees -> ((plain version, spec version), the excess curve of those versions)
+        self._excess: dict[int, tuple[tuple[int, int], _Curve]] = {}
         self._num_decisions = 0
         self._since_full = dict.fromkeys(Method, 0)  # speculative decisions since a full tree
         self._since_speculative = 0  # plain decisions in a row
@@ -155,33 +193,44 @@ class SpeculationPolicy:
         if not self._plain_time_is_current(num_plain_rows + sum(counts.values())):
             return self._chosen({})
         unmeasured = [m for m in counts if self.acceptance[m].tokens[full].count == 0]
-        if unmeasured or self._since_speculative >= self.explore_every:
+        if unmeasured or self._since_speculative >= self._explore_wait:
             self.probing = True
+            if not unmeasured:
+                self._explore_wait = min(2 * self._explore_wait, self.max_explore_every)
             return self._chosen({(unmeasured or list(counts))[0]: full})
         plain_time = self._plain_time()
-        options = [
-            [k for k in range(full + 1) if k == 0 or self.acceptance[m].tokens[k].count]
-            for m in counts
-        ]
-        best: dict[Method, int] = {}
+        # Per method, its options (k, tokens, rows, trees): what its n requests gain and take.
+        options = []
+        for m, n in counts.items():
+            acceptance = self.acceptance[m]
+            options.append(
+                [
+                    (k, n * t, n * r, n if k else 0)
+                    for k in range(full + 1)
+                    if k == 0 or acceptance.tokens[k].count
+                    for t, r in (acceptance.tokens_and_rows(k),)
+                ]
+            )
+        best = tuple(method_options[0] for method_options in options)  # k = 0: decode plainly
         best_rate = 0.0
         time_by_trees: dict[int, Callable[[int], float | None]] = {0: plain_time}
-        for ks in itertools.product(*options):
-            choice = {m: k for m, k in zip(counts, ks, strict=True) if k}
+        for combo in itertools.product(*options):
             tokens = rows = float(num_plain_rows)
-            for m, n in counts.items():
-                t, r = self.acceptance[m].tokens_and_rows(choice.get(m, 0))
-                tokens, rows = tokens + n * t, rows + n * r
-            num_trees = sum(counts[m] for m in choice)
+            num_trees = 0
+            for _, t, r, trees in combo:
+                tokens, rows, num_trees = tokens + t, rows + r, num_trees + trees
             if num_trees not in time_by_trees:
                 time_by_trees[num_trees] = self._spec_time(plain_time, num_trees)
             seconds = time_by_trees[num_trees](round(rows))
             if seconds is None:  # no speculative step timed yet: try one
                 self.probing = True
-                return self._chosen(choice)
+                best = combo
+                break
             if tokens / seconds > best_rate:
-                best, best_rate = choice, tokens / seconds
-        return self._chosen(best)
+                best, best_rate = combo, tokens / seconds
+        return self._chosen(
+            {m: option[0] for m, option in zip(counts, best, strict=True) if option[0]}
+        )
 
     def _chosen(self, choice: dict[Method, int]) -> dict[Method, int]:
         """Record `choice`; a speculating method `refresh_every` decisions past its last full
@@ -192,6 +241,8 @@ class SpeculationPolicy:
             full = k == self.num_candidates or m in self.refreshing
             self._since_full[m] = 0 if full else self._since_full[m] + 1
         self._since_speculative = 0 if choice else self._since_speculative + 1
+        if choice and not self.probing:
+            self._explore_wait = self.explore_every
         return choice
 
     def observe_tree(self, tree: DraftTree, token_ids: list[int], method: Method) -> None:
@@ -201,10 +252,11 @@ class SpeculationPolicy:
     def observe_step(self, num_rows: int, seconds: float, num_trees: int = 0) -> None:
         """A step that fed `num_rows` tokens to the model took `seconds`; `num_trees` draft trees
         were verified in it (their drafting included in `seconds`)."""
-        table = (
-            self._plain_seconds if num_trees == 0 else self._spec_seconds.setdefault(num_trees, {})
-        )
-        table.setdefault(num_rows, _Fastest(self.window)).add(seconds, self._num_decisions)
+        if num_trees == 0:
+            table = self._plain_seconds
+        else:
+            table = self._spec_seconds.setdefault(num_trees, _StepTimes(self.window))
+        table.add(num_rows, seconds, self._num_decisions)
 
     def predict_seconds(self, num_rows: int, num_trees: int = 0) -> float | None:
         """The time of a step of `num_rows` rows that verifies `num_trees` draft trees (0: a plain
@@ -215,34 +267,55 @@ class SpeculationPolicy:
         speculative step costs a plain step of its rows plus an excess (drafting, tree
         attention, verification) that is interpolated in the same way between the row counts
         measured with that many trees but held level outside them; a number of trees never
-        timed takes the excess of the nearest one timed (fewer preferred)."""
+        timed takes the excess interpolated between the nearest fewer and more trees timed
+        (linearly in the number of trees), or outside them the excess of the nearest."""
         plain = self._plain_time()
         return (self._spec_time(plain, num_trees) if num_trees else plain)(num_rows)
 
     def _plain_time(self) -> _Curve:
-        return _Curve({r: m.value for r, m in self._plain_seconds.items()})
+        return self._plain_seconds.curve()
 
     def _spec_time(self, plain: _Curve, num_trees: int) -> Callable[[int], float | None]:
         """`predict_seconds` for `num_trees` > 0 trees, as a function of the rows, given the
-        plain step time `plain`."""
+        plain step time `plain` (the current `_plain_time()`)."""
         if not self._spec_seconds:
             return lambda num_rows: None
-        nearest = min(self._spec_seconds, key=lambda n: (abs(n - num_trees), n))
-        spec = {r: m.value for r, m in self._spec_seconds[nearest].items()}
+        timed = sorted(self._spec_seconds)
+        i = bisect.bisect_left(timed, num_trees)
         if not plain.xs:
-            return _Curve(spec)
-        excess = _Curve({r: t - plain.at(r) for r, t in spec.items()}, level_outside=True)
-        return lambda num_rows: plain.at(num_rows) + excess.at(num_rows)
+            nearest = min(timed, key=lambda n: (abs(n - num_trees), n))
+            return self._spec_seconds[nearest].curve()
+        if (i < len(timed) and timed[i] == num_trees) or i in (0, len(timed)):
+            excess = self._excess_curve(plain, timed[min(i, len(timed) - 1)])
+            return lambda num_rows: plain.at(num_rows) + excess.at(num_rows)
+        fewer, more = timed[i - 1], timed[i]
+        w = (num_trees - fewer) / (more - fewer)
+        low, high = self._excess_curve(plain, fewer), self._excess_curve(plain, more)
+        return lambda num_rows: (
+            plain.at(num_rows) + (1 - w) * low.at(num_rows) + w * high.at(num_rows)
+        )
+
+    def _excess_curve(self, plain: _Curve, num_trees: int) -> _Curve:
+        """What a step verifying `num_trees` (timed) trees took over a plain step of its rows,
+        by rows, level outside the rows timed."""
+        table = self._spec_seconds[num_trees]
+        versions = (self._plain_seconds.version, table.version)
+        cached = self._excess.get(num_trees)
+        if cached is None or cached[0] != versions:
+            spec = table.curve().points
+            excess = _Curve({r: t - plain.at(r) for r, t in spec.items()}, level_outside=True)
+            cached = self._excess[num_trees] = (versions, excess)
+        return cached[1]
 
     def _plain_time_is_current(self, num_rows: int) -> bool:
         """Whether the time of a plain `num_rows` step rests on `min_samples` measurements, of
         the row count itself or else of both its measured neighbours, each measured within the
         last `2 * refresh_every` decisions."""
-        table = self._plain_seconds
+        table = self._plain_seconds.by_rows
         if num_rows in table:
             used = [table[num_rows]]
         else:
-            known = sorted(table)
+            known = self._plain_seconds.curve().xs
             i = bisect.bisect_left(known, num_rows)
             used = [table[r] for r in known[max(i - 1, 0) : i + 1]]
         return bool(used) and all(

@@ -58,10 +58,12 @@ def test_interpolates_measured_step_times() -> None:
     assert policy.predict_seconds(8, num_trees=1) == pytest.approx(0.025 + 0.020)
     assert policy.predict_seconds(2, num_trees=1) == pytest.approx(0.010 + 0.010)  # level
     assert policy.predict_seconds(14, num_trees=1) == pytest.approx(0.040 + 0.030)  # level
-    policy.observe_step(10, 0.090, num_trees=4)
-    assert policy.predict_seconds(10, num_trees=3) == pytest.approx(0.090)  # nearest: 4 trees
-    assert policy.predict_seconds(10, num_trees=2) == pytest.approx(0.060)  # nearest: 1 tree
-    assert policy.predict_seconds(10, num_trees=8) == pytest.approx(0.090)
+    policy.observe_step(10, 0.090, num_trees=4)  # 60 ms over
+    # Between 1 and 4 trees: the excess in proportion (1 tree: 30 ms over; 4 trees: 60 ms over).
+    assert policy.predict_seconds(10, num_trees=3) == pytest.approx(0.030 + 0.050)
+    assert policy.predict_seconds(10, num_trees=2) == pytest.approx(0.030 + 0.040)
+    assert policy.predict_seconds(6, num_trees=2) == pytest.approx(0.020 + 0.020 / 3 + 0.060 / 3)
+    assert policy.predict_seconds(10, num_trees=8) == pytest.approx(0.090)  # level: 4 trees
 
 
 def test_a_step_time_is_the_fastest_of_the_recent_ones() -> None:
@@ -130,25 +132,42 @@ def test_speculates_only_against_a_current_plain_time() -> None:
 
 
 def test_explores_again_after_many_plain_decisions() -> None:
-    """A tree that looked too dear once is verified again every `explore_every` decisions, and
-    the policy switches to it when the new measurements show it pays."""
+    """A tree that looked too dear once is verified again after `explore_every` plain decisions,
+    then after twice as many each time the try changes nothing (up to `max_explore_every`), and
+    the policy switches to it when the new measurements show it pays; its own choice to
+    speculate brings the wait back to `explore_every`."""
     policy = SpeculationPolicy(
-        num_candidates=3, refresh_every=1000, alpha=1.0, explore_every=5, min_samples=1
+        num_candidates=3,
+        refresh_every=1000,
+        alpha=1.0,
+        explore_every=5,
+        max_explore_every=20,
+        min_samples=1,
     )
     policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)  # T = 3, 4, 4; S = 4, 5, 8
     policy.observe_step(2, 0.010)
     policy.observe_step(16, 0.024)  # plain: 10 ms + 1 ms a row over 2
     policy.observe_step(8, 0.500, num_trees=1)  # a cold first speculative step
     choices = []
-    for _ in range(11):
+    for _ in range(5 + 1 + 10 + 1 + 20 + 1 + 20 + 1):
         choices.append(choose(policy, 0, 2))
         assert policy.probing == (choices[-1] > 0)  # a probe: one request drafts
-    assert choices == [0] * 5 + [3] + [0] * 5
-    assert choose(policy, 0, 2) == 3  # explores again
+    tries = [i for i, k in enumerate(choices) if k]
+    assert tries == [5, 16, 37, 58]  # waits of 5, 10, 20 and 20 plain decisions
+    assert all(choices[i] == 3 for i in tries)
     policy.observe_step(8, 0.020, num_trees=1)  # measured again: 4 ms over plain
     # k=1: 6 tokens / 20 ms; k=2: 8 tokens / 22 ms; k=3: 8 tokens / 28 ms; k=0: 2 / 10 ms.
     assert choose(policy, 0, 2) == 2
     assert not policy.probing
+    for _ in range(8):  # the tree turns dear again: its step times are the least of the last 8
+        policy.observe_step(8, 0.500, num_trees=1)
+    choices = [choose(policy, 0, 2) for _ in range(12)]
+    assert choices == [0] * 5 + [3] + [0] * 6  # waits explore_every again
+
+
+def test_explore_waits_must_be_ordered() -> None:
+    with pytest.raises(ValueError, match="max_explore_every"):
+        SpeculationPolicy(num_candidates=1, explore_every=100, max_explore_every=50)
 
 
 def test_plain_steps_do_not_price_trees() -> None:
