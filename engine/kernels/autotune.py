@@ -8,6 +8,7 @@ measured and chose.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ class KernelTable:
     passes: dict[int, dict[str, float]] = field(default_factory=dict)
     """M -> {variant: ms of one pass over all layers}: "per shape" (the per-shape choices) and
     "all NAME" (kernel NAME on every layer), what decided the plan (see ``select_kernels``)."""
+    rows_prefetch: dict[int, float] = field(default_factory=dict)
+    """The "rows" kernel's prefetch distances tried (64-byte lines, 0: none) -> the geometric
+    mean over M of one pass's ms at that setting (see ``select_kernels``); empty if not tried."""
     shared: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def format(self) -> str:
@@ -69,6 +73,12 @@ class KernelTable:
             best = min(times, key=lambda v: times[v])
             text = ", ".join(f"{v} {t:.3f}{'*' if v == best else ''}" for v, t in times.items())
             lines.append(f"one pass, M {m}, ms: {text}")
+        if self.rows_prefetch:
+            chosen = min(self.rows_prefetch, key=lambda v: self.rows_prefetch[v])
+            text = ", ".join(
+                f"{v} {t:.3f}{'*' if v == chosen else ''}" for v, t in self.rows_prefetch.items()
+            )
+            lines.append(f"rows kernel prefetch (lines ahead), one pass, ms: {text}")
         return "\n".join(lines)
 
 
@@ -142,6 +152,44 @@ def _time_passes(
     return best
 
 
+ROWS_PREFETCH_CHOICES: tuple[int, ...] = (0, 32)
+"""The "rows" kernel's prefetch distances (`RowsGemm.set_prefetch`) that selection tries."""
+
+
+def _tune_rows_prefetch(
+    rows_fns: list[KernelFn], in_features: list[int], m_values: Sequence[int], rounds: int
+) -> dict[int, float]:
+    """Time one pass of the "rows" kernels `rows_fns` (a model's layers in order, with their
+    in_features) at each M of `m_values` from 2 to 16 (the tiles that may prefetch) under each
+    setting of `ROWS_PREFETCH_CHOICES`, in turn `rounds` times after a warm-up, and keep the
+    setting whose passes' geometric mean is least. Returns setting -> that mean in ms (empty,
+    the setting untouched, when no M is in range)."""
+    from engine.kernels.rows import load_rows_gemm
+
+    lib = load_rows_gemm()
+    ms = [m for m in sorted(set(m_values)) if 2 <= m <= 16]
+    if lib is None or not ms:
+        return {}
+    gen = torch.Generator().manual_seed(0)
+    inputs = {m: [torch.randn((m, k), generator=gen) for k in in_features] for m in ms}
+    best = {(v, m): float("inf") for v in ROWS_PREFETCH_CHOICES for m in ms}
+    for r in range(rounds + 1):
+        for v in ROWS_PREFETCH_CHOICES:
+            lib.set_prefetch(v)
+            for m in ms:
+                t0 = time.perf_counter()
+                for fn, x in zip(rows_fns, inputs[m], strict=True):
+                    fn(x)
+                if r:
+                    best[v, m] = min(best[v, m], time.perf_counter() - t0)
+    means = {
+        v: math.exp(sum(math.log(best[v, m]) for m in ms) / len(ms)) * 1e3
+        for v in ROWS_PREFETCH_CHOICES
+    }
+    lib.set_prefetch(min(means, key=lambda v: means[v]))
+    return means
+
+
 def select_kernels(
     linears: Iterable[Linear],
     m_values: Sequence[int] = DEFAULT_M_VALUES,
@@ -164,6 +212,11 @@ def select_kernels(
     ``target_s`` (1 to 50 calls); after the first pass a candidate slower than ``prune`` x the
     best so far is dropped. M above ``max(m_values)`` uses that bucket's choice.
     Non-CPU layers keep ``F.linear`` and are not timed.
+
+    First, where the "rows" kernel can serve every layer, its prefetch setting (process-wide) is
+    chosen by timing passes over all the layers (``_tune_rows_prefetch``, ``pass_rounds``
+    rounds; 0: kept as it is): on some CPUs several rows stream faster with software prefetch,
+    on others without.
 
     ``openblas_threads`` defaults to 1 on purpose: OpenBLAS workers spin-wait after each call and
     starve the OpenMP threads of the torch ops that run between calls; one thread runs OpenBLAS on
@@ -193,14 +246,29 @@ def select_kernels(
             key = (layer.in_features, layer.out_features, layer.dtype, layer.bias is not None)
             groups.setdefault(key, []).append(layer)
     gen = torch.Generator().manual_seed(0)
+    group_fns: dict[tuple[Any, ...], dict[str, list[KernelFn]]] = {}
     for group, layers in groups.items():
-        k, n, dtype, _ = group
         registry = matmul.KERNELS  # looked up per call, so tests may substitute the registry
         names = [
             s.name for s in registry.values()
             if (kernels is None or s.name in kernels) and s.supports(layers[0])
         ]  # fmt: skip
-        fns = {name: [registry[name].build(ly, table.shared) for ly in layers] for name in names}
+        group_fns[group] = {
+            name: [registry[name].build(ly, table.shared) for ly in layers] for name in names
+        }
+    order = [ly for ly in linears_list if ly.transposed]
+    if pass_rounds > 0 and order and all("rows" in fns for fns in group_fns.values()):
+        rows_fns = []
+        for layer in order:
+            key = (layer.in_features, layer.out_features, layer.dtype, layer.bias is not None)
+            i = next(j for j, ly in enumerate(groups[key]) if ly is layer)
+            rows_fns.append(group_fns[key]["rows"][i])
+        table.rows_prefetch = _tune_rows_prefetch(
+            rows_fns, [ly.in_features for ly in order], m_values, pass_rounds
+        )
+    for group, layers in groups.items():
+        k, n, dtype, _ = group
+        fns = group_fns[group]
         plan: dict[int, str] = {}
         exact_at: dict[tuple[str, int], bool] = {}  # (kernel, M) -> exact on this group
         for m in sorted(set(m_values)):
@@ -219,7 +287,6 @@ def select_kernels(
                 fns["torch"] = [matmul.torch_kernel(ly) for ly in layers]
         table.chosen[(k, n)] = plan
         built[group] = (layers, fns, exact_at, plan)
-    order = [ly for ly in linears_list if ly.transposed]
     for m in sorted(set(m_values)) if pass_rounds > 0 and order else ():
         chosen = {b[3][m] for b in built.values()}
         uniform = [

@@ -278,7 +278,7 @@ KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
         ),
         "rows": KernelSpec(
             "rows",
-            "rows_gemm.c on packed W^T panels (torch.get_num_threads() threads); oneDNN above 32",
+            "rows_gemm.c on packed W^T panels (torch.get_num_threads() threads); oneDNN above 64",
             _has_rows_gemm,
             _build_rows,
         ),

@@ -44,6 +44,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rows_gemm_set_chunk_bytes": ([_I], None),
     "rows_gemm_set_group_rows": ([ctypes.c_int], None),
     "rows_gemm_get_group_rows": ([], ctypes.c_int),
+    "rows_gemm_set_prefetch": ([_I], None),
+    "rows_gemm_get_prefetch": ([], _I),
     "rows_gemm_isa": ([], ctypes.c_char_p),
 }
 
@@ -100,6 +102,15 @@ class RowsGemm:
         """Rows per pass over the weights (clamped to 1..the path's tile limit); more rows are
         served in equal groups, the later ones reading the weights from cache."""
         self.lib.rows_gemm_set_group_rows(rows)
+
+    @property
+    def prefetch(self) -> int:
+        """How many 64-byte lines of each panel tiles of several rows prefetch ahead (0: none)."""
+        return int(self.lib.rows_gemm_get_prefetch())
+
+    def set_prefetch(self, lines: int) -> None:
+        """Set `prefetch` (clamped to 0..1024), process-wide; results do not change."""
+        self.lib.rows_gemm_set_prefetch(lines)
 
     def pack(self, wt: torch.Tensor) -> torch.Tensor:
         """W^T [in, out] float32 (last dim contiguous) -> packed copy, [ceil(out/16), in, 16]

@@ -49,10 +49,12 @@
 #endif
 
 #define PANEL 16
-/* Weights are prefetched this many k steps of float weights ahead (one 64-byte line per panel
- * and step); q8 weights, a quarter of the bytes per step, the same distance in bytes. On
- * AVX-512 only tiles of several rows prefetch, as non-temporal (each weight is read once): one
- * row streams faster with the hardware's prefetcher alone. */
+/* Tiles prefetch weights `prefetch` 64-byte lines ahead in each panel (one line per k step of
+ * float weights; q8 weights, a quarter of the bytes per step, the same distance in bytes), or not
+ * at all (0), as `rows_gemm_set_prefetch` sets it; PREFETCH until then. On AVX-512 only tiles of
+ * several rows prefetch, as non-temporal (each weight is read once): one row streams faster with
+ * the hardware's prefetcher alone. Whether several rows do too depends on the CPU, so callers
+ * choose by timing. */
 #define PREFETCH 32
 /* Each output sums its products in blocks of this many k steps, then adds the blocks in k
  * order: rounding error grows with the block count and size, not with k (as blocked GEMMs). */
@@ -74,10 +76,10 @@
 
 typedef void (*tile_fn)(const float *x, int64_t ldx, const void *w, const float *scales,
                         int64_t k, int64_t ps, int64_t wk, const float *bias, float *y,
-                        int64_t ldy, int64_t ncols);
+                        int64_t ldy, int64_t ncols, int64_t prefetch);
 
-/* The prefetch distance in k steps for weights of `w`'s element type: PREFETCH * 64 bytes. */
-#define PF_STEPS(w) ((int64_t)(PREFETCH * sizeof(float) / sizeof(*(w))))
+/* The prefetch distance in k steps for weights of `w`'s element type: `prefetch` 64-byte lines. */
+#define PF_STEPS(w) (prefetch * (int64_t)(sizeof(float) / sizeof(*(w))))
 
 #if defined(ROWS_AVX512)
 #define ISA_NAME "avx512"
@@ -93,6 +95,7 @@ typedef void (*tile_fn)(const float *x, int64_t ldx, const void *w, const float 
  * products, vocabulary heads) would alias one another in the load/store unit if each block
  * re-read them. */
 #define TILE_BODY(MR, NB, WLOAD, SCALED) \
+    const int64_t pf = PF_STEPS(w); \
     int64_t k0 = 0; \
     __m512 part[MR][NB]; \
     do { \
@@ -108,9 +111,8 @@ _Pragma("GCC unroll 8") \
 _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
                 wv[j] = WLOAD(w + j * ps + kk * wk); \
-                if (MR > 1) /* one row: the hardware prefetcher streams it faster alone */ \
-                    _mm_prefetch((const char *)(w + j * ps + (kk + PF_STEPS(w)) * wk), \
-                                 _MM_HINT_NTA); \
+                if (MR > 1 && pf) /* one row: the hardware prefetcher streams it faster */ \
+                    _mm_prefetch((const char *)(w + j * ps + (kk + pf) * wk), _MM_HINT_NTA); \
             } \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
@@ -168,6 +170,7 @@ static inline __attribute__((always_inline)) void store8(float *dst, __m256 v, i
 #define WLOAD_Q8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 
 #define TILE_BODY(MR, NB, WLOAD, SCALED) \
+    const int64_t pf = PF_STEPS(w); \
     int64_t k0 = 0; \
     do { \
         const int64_t k1 = k - k0 < KBLOCK ? k : k0 + KBLOCK; \
@@ -183,7 +186,7 @@ _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
                 wl[j] = WLOAD(w + j * ps + kk * wk); \
                 wh[j] = WLOAD(w + j * ps + kk * wk + 8); \
-                _mm_prefetch((const char *)(w + j * ps + (kk + PF_STEPS(w)) * wk), _MM_HINT_T0); \
+                if (pf) _mm_prefetch((const char *)(w + j * ps + (kk + pf) * wk), _MM_HINT_T0); \
             } \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
@@ -267,10 +270,12 @@ _Pragma("GCC unroll 16") \
 #define TILE(NAME, WTYPE, WLOAD, SCALED, MR_, NB_)                                               \
     static void NAME##_##MR_##_##NB_(const float *x, int64_t ldx, const void *wv,                \
                                      const float *scales, int64_t k, int64_t ps, int64_t wk,     \
-                                     const float *bias, float *y, int64_t ldy, int64_t ncols) {  \
+                                     const float *bias, float *y, int64_t ldy, int64_t ncols,    \
+                                     int64_t prefetch) {                                         \
         enum { MR = MR_, NB = NB_ };                                                             \
         const WTYPE *w = (const WTYPE *)wv;                                                      \
         (void)scales;                                                                            \
+        (void)prefetch;                                                                          \
         TILE_BODY(MR, NB, WLOAD, SCALED)                                                         \
     }
 #define TILE_F32(MR, NB) TILE(tile, float, WLOAD_F32, 0, MR, NB)
@@ -329,6 +334,7 @@ typedef struct {
     int64_t nunits;   /* units of TILE_NB[group] panels (the last may be short) */
     int64_t max_take; /* units per claim at most: about chunk_bytes of weights */
     int64_t threads;
+    int64_t prefetch; /* lines ahead (0: none) */
 } job_t;
 
 /* Units hold whole tiles: TILE_NB[group] panels (the last unit may be short), so that a run of
@@ -358,14 +364,14 @@ static void run_units(const job_t *job, int64_t u0, int64_t u1) {
             tile_main[mr](x, job->ldx, (const char *)job->w + p * panel_bytes,
                           job->scales ? job->scales + p * PANEL : 0, k, job->ps, job->wk,
                           job->bias ? job->bias + p * PANEL : 0, y + p * PANEL, job->n,
-                          cols < nb * PANEL ? cols : nb * PANEL);
+                          cols < nb * PANEL ? cols : nb * PANEL, job->prefetch);
         }
         for (; p < p1; p++) {
             const int64_t cols = job->n - p * PANEL;
             tile_one[mr](x, job->ldx, (const char *)job->w + p * panel_bytes,
                          job->scales ? job->scales + p * PANEL : 0, k, job->ps, job->wk,
                          job->bias ? job->bias + p * PANEL : 0, y + p * PANEL, job->n,
-                         cols < PANEL ? cols : PANEL);
+                         cols < PANEL ? cols : PANEL, job->prefetch);
         }
     }
 }
@@ -390,9 +396,10 @@ static struct {
     int64_t spin_ns;         /* atomic */
     int64_t chunk_bytes;     /* atomic */
     int group_rows;          /* atomic */
+    int64_t prefetch;        /* atomic */
     job_t job;               /* written by the caller before it publishes `gen` */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          0, 0xFFFFFFFFu, 0, 0, 0, 1, 50000, 512 * 1024, GROUP_ROWS, {0}};
+          0, 0xFFFFFFFFu, 0, 0, 0, 1, 50000, 512 * 1024, GROUP_ROWS, PREFETCH, {0}};
 
 #define LOAD(p) __atomic_load_n(&(p), __ATOMIC_ACQUIRE)
 #define RELAXED(p) __atomic_load_n(&(p), __ATOMIC_RELAXED)
@@ -482,6 +489,7 @@ static void *worker_main(void *arg) {
         job.nunits = RELAXED(pool.job.nunits);
         job.max_take = RELAXED(pool.job.max_take);
         job.threads = RELAXED(pool.job.threads);
+        job.prefetch = RELAXED(pool.job.prefetch);
         __atomic_thread_fence(__ATOMIC_ACQUIRE); /* pairs with the caller's release fence */
         work(&job, g); /* uses the copy only if generation g's units are still unclaimed */
     }
@@ -589,6 +597,15 @@ void rows_gemm_set_group_rows(int rows) {
     __atomic_store_n(&pool.group_rows, rows, __ATOMIC_RELAXED);
 }
 
+/* How far ahead tiles prefetch weights, in 64-byte lines of each panel (0 .. 1024; 0: they do
+ * not, the hardware's prefetcher alone streams them). */
+void rows_gemm_set_prefetch(int64_t lines) {
+    lines = lines < 0 ? 0 : lines > 1024 ? 1024 : lines;
+    __atomic_store_n(&pool.prefetch, lines, __ATOMIC_RELAXED);
+}
+
+int64_t rows_gemm_get_prefetch(void) { return RELAXED(pool.prefetch); }
+
 /* How long an idle worker spins before it sleeps, in microseconds (0: sleep at once). */
 void rows_gemm_set_spin_us(int64_t us) {
     __atomic_store_n(&pool.spin_ns, us < 0 ? 0 : us * 1000, __ATOMIC_RELAXED);
@@ -613,7 +630,8 @@ static void run(const float *x, int64_t ldx, const void *w, const float *scales,
     const int64_t unit_bytes = TILE_NB[group] * k * PANEL * FMT_BYTES[fmt];
     const int64_t max_take = RELAXED(pool.chunk_bytes) / (unit_bytes > 0 ? unit_bytes : 1);
     job_t job = {x, w, scales, fmt, ps, wk, bias, y, m, k, n, ldx, group,
-                 tile_units(npanels, group), max_take > 1 ? max_take : 1, threads};
+                 tile_units(npanels, group), max_take > 1 ? max_take : 1, threads,
+                 RELAXED(pool.prefetch)};
     if (threads <= 1 || job.nunits <= 1) {
         run_alone(&job);
         return;
@@ -643,6 +661,7 @@ static void run(const float *x, int64_t ldx, const void *w, const float *scales,
     __atomic_store_n(&pool.job.nunits, job.nunits, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.max_take, job.max_take, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.threads, job.threads, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.job.prefetch, job.prefetch, __ATOMIC_RELAXED);
     const uint32_t gen = RELAXED(pool.gen) + 1;
     __atomic_store_n(&pool.done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.next, (uint64_t)gen << 32, __ATOMIC_RELEASE);

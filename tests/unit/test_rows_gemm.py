@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels.autotune import select_kernels
+from engine.kernels.autotune import ROWS_PREFETCH_CHOICES, select_kernels
 from engine.kernels.matmul import KERNELS
 from engine.kernels.rows import RowsGemm, load_rows_gemm
 from engine.layers.linear import Linear
@@ -108,6 +108,26 @@ def test_strided_input_and_row_groups(lib: RowsGemm) -> None:
             lib.set_group_rows(before)
 
 
+def test_prefetch_setting_keeps_the_sums(lib: RowsGemm) -> None:
+    """Every prefetch distance (none, short, the default, clamped above 1024) gives the same
+    float32 sums, on float and int8 weights and across row groups."""
+    g = torch.Generator().manual_seed(5)
+    wt = torch.randn(576, 200, generator=g)
+    packed, (q8, scales) = lib.pack(wt), lib.pack_q8(wt)
+    x = torch.randn(20, 576, generator=g)
+    before = lib.prefetch
+    try:
+        lib.set_prefetch(32)
+        ref, ref_q8 = lib.matmul(x, packed, 200), lib.matmul_q8(x, q8, scales, 200)
+        for lines, expect in ((0, 0), (3, 3), (5000, 1024), (-1, 0)):
+            lib.set_prefetch(lines)
+            assert lib.prefetch == expect
+            assert torch.equal(lib.matmul(x, packed, 200), ref)
+            assert torch.equal(lib.matmul_q8(x, q8, scales, 200), ref_q8)
+    finally:
+        lib.set_prefetch(before)
+
+
 def test_registered_and_selected_as_exact() -> None:
     layer = Linear(576, 200, bias=True, dtype=torch.float32, device="cpu")
     g = torch.Generator().manual_seed(2)
@@ -117,6 +137,11 @@ def test_registered_and_selected_as_exact() -> None:
     assert not KERNELS["rows"].supports(Linear(8, 8, dtype=torch.float64, device="cpu"))
     table = select_kernels([layer], m_values=(1, 4, 16), kernels=["rows"], target_s=2e-4)
     assert table.chosen[(576, 200)] == {1: "rows", 4: "rows", 16: "rows"}
+    # the prefetch setting is chosen by timing too: the fastest of the choices is kept
+    assert set(table.rows_prefetch) == set(ROWS_PREFETCH_CHOICES)
+    lib = load_rows_gemm()
+    assert lib is not None
+    assert lib.prefetch == min(table.rows_prefetch, key=lambda v: table.rows_prefetch[v])
     assert all(t.exact for t in table.timings)
     for m in (1, 2, 5, 16, 40):
         x = torch.randn(m, 576, generator=g)
