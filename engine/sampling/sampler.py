@@ -130,21 +130,25 @@ def greedy_choices(
     holding NaN or +inf after masking fails), from one reduction over the rows and one
     device-to-host copy (on a CPU, numpy on the calling thread). `logits` is not modified."""
     num_rows = logits.shape[0]
-    rows = [i for i, ids in enumerate(masked_ids) for _ in ids]
-    cols = [t for ids in masked_ids for t in sorted(ids)]
     error = "the model produced non-finite logits for this request"
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         # numpy's argmax runs on the calling thread: a torch reduction over a vocabulary-wide
         # row wakes the intra-op thread pool, which costs more than the reduction on few rows.
         scores = logits.numpy()  # [M, vocab], shares memory with `logits`
-        if rows:
-            scores = scores.copy()
-            scores[rows, cols] = -np.inf
         index = scores.argmax(axis=1)  # [M]: the first NaN if any, else the first maximum
-        values = scores[np.arange(num_rows), index]  # [M]
+        # Masking only lowers scores, so it changes a row's choice only where that choice is a
+        # masked id: only such rows are chosen again, from a masked copy.
+        for i, ids in enumerate(masked_ids):
+            if ids and int(index[i]) in ids:
+                row = scores[i].copy()  # [vocab]
+                row[list(ids)] = -np.inf
+                index[i] = row.argmax()
+        values = scores[np.arange(num_rows), index]  # [M]: never at a masked id
         flags = np.isnan(values) | np.isposinf(values)  # [M]
         tokens, bad = index.tolist(), flags.tolist()
     else:
+        rows = [i for i, ids in enumerate(masked_ids) for _ in ids]
+        cols = [t for ids in masked_ids for t in sorted(ids)]
         if rows:
             logits = logits.clone()
             logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
