@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections import deque
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 
 from engine.sampling.params import SamplingParams
+from engine.spec_decode.step_times import Curve, StepTimes
 from engine.spec_decode.tree import DraftTree
 
 
@@ -69,52 +69,6 @@ class _Mean:
     def add(self, x: float) -> None:
         self.count += 1
         self.value += (x - self.value) * max(self.alpha, 1 / self.count)
-
-
-class _Fastest:
-    """The least of the last `window` samples (a busy host only ever adds time), and when (a
-    decision count) the last came."""
-
-    def __init__(self, window: int) -> None:
-        self.samples: deque[float] = deque(maxlen=window)
-        self.value = 0.0
-        self.last = 0
-
-    def add(self, x: float, when: int) -> None:
-        self.samples.append(x)
-        self.value = min(self.samples)
-        self.last = when
-
-    @property
-    def count(self) -> int:
-        return len(self.samples)
-
-
-class _StepTimes:
-    """Step seconds by row count, each the fastest of its recent samples, and the curve through
-    them, rebuilt only after one of them changed: a busy engine records a step time every step,
-    and most leave every fastest as it was."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-        self.by_rows: dict[int, _Fastest] = {}
-        self.version = 0  # counts the changes of the curve
-        self._curve: _Curve | None = None
-
-    def add(self, num_rows: int, seconds: float, when: int) -> None:
-        fastest = self.by_rows.get(num_rows)
-        if fastest is None:
-            fastest = self.by_rows[num_rows] = _Fastest(self.window)
-        before = fastest.value if fastest.count else None
-        fastest.add(seconds, when)
-        if fastest.value != before:
-            self.version += 1
-            self._curve = None
-
-    def curve(self) -> _Curve:
-        if self._curve is None:
-            self._curve = _Curve({r: m.value for r, m in self.by_rows.items()})
-        return self._curve
 
 
 class Acceptance:
@@ -167,10 +121,10 @@ class SpeculationPolicy:
         self.window = window
         self.min_samples = min_samples
         self.acceptance = {m: Acceptance(num_candidates, alpha) for m in Method}
-        self._plain_seconds = _StepTimes(window)
-        self._spec_seconds: dict[int, _StepTimes] = {}  # number of trees -> their step times
+        self._plain_seconds = StepTimes(window)
+        self._spec_seconds: dict[int, StepTimes] = {}  # number of trees -> their step times
         # number of trees -> ((plain version, spec version), the excess curve of those versions)
-        self._excess: dict[int, tuple[tuple[int, int], _Curve]] = {}
+        self._excess: dict[int, tuple[tuple[int, int], Curve]] = {}
         self._num_decisions = 0
         self._since_full = dict.fromkeys(Method, 0)  # speculative decisions since a full tree
         self._since_speculative = 0  # plain decisions in a row
@@ -255,7 +209,7 @@ class SpeculationPolicy:
         if num_trees == 0:
             table = self._plain_seconds
         else:
-            table = self._spec_seconds.setdefault(num_trees, _StepTimes(self.window))
+            table = self._spec_seconds.setdefault(num_trees, StepTimes(self.window))
         table.add(num_rows, seconds, self._num_decisions)
 
     def predict_seconds(self, num_rows: int, num_trees: int = 0) -> float | None:
@@ -272,10 +226,10 @@ class SpeculationPolicy:
         plain = self._plain_time()
         return (self._spec_time(plain, num_trees) if num_trees else plain)(num_rows)
 
-    def _plain_time(self) -> _Curve:
+    def _plain_time(self) -> Curve:
         return self._plain_seconds.curve()
 
-    def _spec_time(self, plain: _Curve, num_trees: int) -> Callable[[int], float | None]:
+    def _spec_time(self, plain: Curve, num_trees: int) -> Callable[[int], float | None]:
         """`predict_seconds` for `num_trees` > 0 trees, as a function of the rows, given the
         plain step time `plain` (the current `_plain_time()`)."""
         if not self._spec_seconds:
@@ -295,7 +249,7 @@ class SpeculationPolicy:
             plain.at(num_rows) + (1 - w) * low.at(num_rows) + w * high.at(num_rows)
         )
 
-    def _excess_curve(self, plain: _Curve, num_trees: int) -> _Curve:
+    def _excess_curve(self, plain: Curve, num_trees: int) -> Curve:
         """What a step verifying `num_trees` (timed) trees took over a plain step of its rows,
         by rows, level outside the rows timed."""
         table = self._spec_seconds[num_trees]
@@ -303,7 +257,7 @@ class SpeculationPolicy:
         cached = self._excess.get(num_trees)
         if cached is None or cached[0] != versions:
             spec = table.curve().points
-            excess = _Curve({r: t - plain.at(r) for r, t in spec.items()}, level_outside=True)
+            excess = Curve({r: t - plain.at(r) for r, t in spec.items()}, level_outside=True)
             cached = self._excess[num_trees] = (versions, excess)
         return cached[1]
 
@@ -322,37 +276,3 @@ class SpeculationPolicy:
             m.count >= self.min_samples and self._num_decisions - m.last <= 2 * self.refresh_every
             for m in used
         )
-
-
-class _Curve:
-    """The piecewise-linear curve through `points` (row count -> value); below the first point,
-    the first value; above the last, the last value when `level_outside`, else extrapolated
-    along the last two points (in proportion to x from one point)."""
-
-    def __init__(self, points: dict[int, float], level_outside: bool = False) -> None:
-        self.xs = sorted(points)
-        self.points = points
-        self.level_outside = level_outside
-
-    def __call__(self, x: int) -> float | None:
-        return self.at(x) if self.xs else None
-
-    def at(self, x: int) -> float:
-        """The value at `x`; needs at least one point."""
-        points, xs = self.points, self.xs
-        if x in points:
-            return points[x]
-        i = bisect.bisect_left(xs, x)
-        if i == 0:
-            return points[xs[0]]
-        if i == len(xs):
-            top = xs[-1]
-            if self.level_outside:
-                return points[top]
-            if len(xs) == 1:
-                return points[top] * x / top
-            below = xs[-2]
-            slope = (points[top] - points[below]) / (top - below)
-            return points[top] + max(slope, 0.0) * (x - top)
-        lo, hi = xs[i - 1], xs[i]
-        return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
