@@ -241,10 +241,12 @@ def select_kernels(
     linears_list = list(linears)
     # group -> (its layers, kernel name -> one kernel per layer, (kernel, M) -> exact, plan)
     built: dict[tuple[Any, ...], tuple[list[Linear], dict[str, list[KernelFn]], Any, Any]] = {}
+    order: list[tuple[tuple[Any, ...], int]] = []  # (group, index in it) of each layer, in order
     for layer in linears_list:
         if layer.transposed:
             key = (layer.in_features, layer.out_features, layer.dtype, layer.bias is not None)
-            groups.setdefault(key, []).append(layer)
+            order.append((key, len(groups.setdefault(key, []))))
+            groups[key].append(layer)
     gen = torch.Generator().manual_seed(0)
     group_fns: dict[tuple[Any, ...], dict[str, list[KernelFn]]] = {}
     for group, layers in groups.items():
@@ -256,15 +258,12 @@ def select_kernels(
         group_fns[group] = {
             name: [registry[name].build(ly, table.shared) for ly in layers] for name in names
         }
-    order = [ly for ly in linears_list if ly.transposed]
     if pass_rounds > 0 and order and all("rows" in fns for fns in group_fns.values()):
-        rows_fns = []
-        for layer in order:
-            key = (layer.in_features, layer.out_features, layer.dtype, layer.bias is not None)
-            i = next(j for j, ly in enumerate(groups[key]) if ly is layer)
-            rows_fns.append(group_fns[key]["rows"][i])
         table.rows_prefetch = _tune_rows_prefetch(
-            rows_fns, [ly.in_features for ly in order], m_values, pass_rounds
+            [group_fns[key]["rows"][i] for key, i in order],
+            [key[0] for key, _ in order],
+            m_values,
+            pass_rounds,
         )
     for group, layers in groups.items():
         k, n, dtype, _ = group
@@ -303,11 +302,9 @@ def select_kernels(
         if len(chosen) > 1:
             variants["per shape"] = ""
         calls: dict[str, list[tuple[KernelFn, torch.Tensor]]] = {v: [] for v in variants}
-        for layer in order:
-            key = (layer.in_features, layer.out_features, layer.dtype, layer.bias is not None)
-            layers, fns, _, plan = built[key]
-            i = next(j for j, ly in enumerate(layers) if ly is layer)
-            x = torch.randn((m, layer.in_features), generator=gen).to(layer.dtype)  # [M, in]
+        for key, i in order:
+            _, fns, _, plan = built[key]
+            x = torch.randn((m, key[0]), generator=gen).to(key[2])  # [M, in]
             for variant, name in variants.items():
                 calls[variant].append((fns[name or plan[m]][i], x))
         times = _time_passes(calls, pass_rounds)

@@ -122,6 +122,7 @@ def test_prefetch_setting_keeps_the_sums(lib: RowsGemm) -> None:
         for lines, expect in ((0, 0), (3, 3), (5000, 1024), (-1, 0)):
             lib.set_prefetch(lines)
             assert lib.prefetch == expect
+            assert rel_err(lib.matmul(x, packed, 200), x.double() @ wt.double()) < 1e-5
             assert torch.equal(lib.matmul(x, packed, 200), ref)
             assert torch.equal(lib.matmul_q8(x, q8, scales, 200), ref_q8)
     finally:
