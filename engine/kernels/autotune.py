@@ -46,9 +46,9 @@ class KernelTable:
     passes: dict[int, dict[str, float]] = field(default_factory=dict)
     """M -> {variant: ms of one pass over all layers}: "per shape" (the per-shape choices) and
     "all NAME" (kernel NAME on every layer), what decided the plan (see ``select_kernels``)."""
-    rows_prefetch: dict[int, float] = field(default_factory=dict)
-    """The "rows" kernel's prefetch distances tried (64-byte lines, 0: none) -> the geometric
-    mean over M of one pass's ms at that setting (see ``select_kernels``); empty if not tried."""
+    rows_prefetch: dict[int, dict[str, float]] = field(default_factory=dict)
+    """M -> the "rows" kernel's prefetch modes tried -> ms of one pass over all layers in that
+    mode (see ``select_kernels``); empty if not tried."""
     shared: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def format(self) -> str:
@@ -73,12 +73,10 @@ class KernelTable:
             best = min(times, key=lambda v: times[v])
             text = ", ".join(f"{v} {t:.3f}{'*' if v == best else ''}" for v, t in times.items())
             lines.append(f"one pass, M {m}, ms: {text}")
-        if self.rows_prefetch:
-            chosen = min(self.rows_prefetch, key=lambda v: self.rows_prefetch[v])
-            text = ", ".join(
-                f"{v} {t:.3f}{'*' if v == chosen else ''}" for v, t in self.rows_prefetch.items()
-            )
-            lines.append(f"rows kernel prefetch (lines ahead), one pass, ms: {text}")
+        for m, times in self.rows_prefetch.items():
+            best = min(times, key=lambda v: times[v])
+            text = ", ".join(f"{v} {t:.3f}{'*' if v == best else ''}" for v, t in times.items())
+            lines.append(f"rows kernel prefetch, one pass, M {m}, ms: {text}")
         return "\n".join(lines)
 
 
@@ -152,42 +150,40 @@ def _time_passes(
     return best
 
 
-ROWS_PREFETCH_CHOICES: tuple[int, ...] = (0, 32)
-"""The "rows" kernel's prefetch distances (`RowsGemm.set_prefetch`) that selection tries."""
-
-
 def _tune_rows_prefetch(
     rows_fns: list[KernelFn], in_features: list[int], m_values: Sequence[int], rounds: int
-) -> dict[int, float]:
+) -> dict[int, dict[str, float]]:
     """Time one pass of the "rows" kernels `rows_fns` (a model's layers in order, with their
-    in_features) at each M of `m_values` from 2 to 16 (the tiles that may prefetch) under each
-    setting of `ROWS_PREFETCH_CHOICES`, in turn `rounds` times after a warm-up, and keep the
-    setting whose passes' geometric mean is least. Returns setting -> that mean in ms (empty,
-    the setting untouched, when no M is in range)."""
-    from engine.kernels.rows import load_rows_gemm
+    in_features) at each M of `m_values` from 2 to the kernel's ``group_rows`` (one tile each;
+    ``group_rows`` itself too where `m_values` goes beyond it) under each of `PREFETCH_MODES`, in
+    turn `rounds` times after a warm-up. Tiles of each row count get the mode fastest at the
+    timed M nearest it (by ratio, the smaller on a tie). Returns M -> mode -> best ms (empty, the
+    settings untouched, when no M is in range)."""
+    from engine.kernels.rows import PREFETCH_MODES, load_rows_gemm
 
     lib = load_rows_gemm()
-    ms = [m for m in sorted(set(m_values)) if 2 <= m <= 16]
-    if lib is None or not ms:
+    if lib is None:
+        return {}
+    top = lib.group_rows
+    ms = sorted({m for m in m_values if 2 <= m <= top} | {top for m in m_values if m > top > 1})
+    if not ms:
         return {}
     gen = torch.Generator().manual_seed(0)
     inputs = {m: [torch.randn((m, k), generator=gen) for k in in_features] for m in ms}
-    best = {(v, m): float("inf") for v in ROWS_PREFETCH_CHOICES for m in ms}
+    best = {m: dict.fromkeys(PREFETCH_MODES, float("inf")) for m in ms}
     for r in range(rounds + 1):
-        for v in ROWS_PREFETCH_CHOICES:
-            lib.set_prefetch(v)
+        for mode in PREFETCH_MODES:
+            lib.set_prefetch(mode)
             for m in ms:
                 t0 = time.perf_counter()
                 for fn, x in zip(rows_fns, inputs[m], strict=True):
                     fn(x)
                 if r:
-                    best[v, m] = min(best[v, m], time.perf_counter() - t0)
-    means = {
-        v: math.exp(sum(math.log(best[v, m]) for m in ms) / len(ms)) * 1e3
-        for v in ROWS_PREFETCH_CHOICES
-    }
-    lib.set_prefetch(min(means, key=lambda v: means[v]))
-    return means
+                    best[m][mode] = min(best[m][mode], (time.perf_counter() - t0) * 1e3)
+    for rows in range(2, lib.max_rows + 1):
+        nearest = min(ms, key=lambda m: (abs(math.log(m / rows)), m))
+        lib.set_prefetch(min(best[nearest], key=lambda v: best[nearest][v]), rows)
+    return best
 
 
 def select_kernels(
@@ -213,10 +209,10 @@ def select_kernels(
     best so far is dropped. M above ``max(m_values)`` uses that bucket's choice.
     Non-CPU layers keep ``F.linear`` and are not timed.
 
-    First, where the "rows" kernel can serve every layer, its prefetch setting (process-wide) is
-    chosen by timing passes over all the layers (``_tune_rows_prefetch``, ``pass_rounds``
-    rounds; 0: kept as it is): on some CPUs several rows stream faster with software prefetch,
-    on others without.
+    First, where the "rows" kernel can serve every layer, its prefetch mode per tile row count
+    (process-wide) is chosen by timing passes over all the layers (``_tune_rows_prefetch``,
+    ``pass_rounds`` rounds; 0: kept as it is): whether several rows stream faster with software
+    prefetch, and of which kind, depends on the CPU and the row count.
 
     ``openblas_threads`` defaults to 1 on purpose: OpenBLAS workers spin-wait after each call and
     starve the OpenMP threads of the torch ops that run between calls; one thread runs OpenBLAS on

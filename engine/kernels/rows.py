@@ -28,6 +28,11 @@ ROWS_VARIANTS: dict[str, tuple[str, ...]] = {
     "scalar": ("-pthread", "-DSPECSERVE_SCALAR"),
 }
 
+PREFETCH_MODES: tuple[str, ...] = ("none", "nta", "l2")
+"""How tiles of several rows may prefetch weights, in the order of rows_gemm.c's PREFETCH_*:
+not at all (the hardware's prefetcher alone), 32 lines ahead into L1 as non-temporal, or 64
+lines ahead into L2. The fastest depends on the CPU and the row count: chosen by timing."""
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 # name -> (argument types, result type)
@@ -44,9 +49,10 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rows_gemm_set_chunk_bytes": ([_I], None),
     "rows_gemm_set_group_rows": ([ctypes.c_int], None),
     "rows_gemm_get_group_rows": ([], ctypes.c_int),
-    "rows_gemm_set_prefetch": ([_I], None),
-    "rows_gemm_get_prefetch": ([], _I),
+    "rows_gemm_set_prefetch": ([_I, _I], ctypes.c_int),
+    "rows_gemm_get_prefetch": ([_I], _I),
     "rows_gemm_isa": ([], ctypes.c_char_p),
+    "rows_gemm_max_rows": ([], ctypes.c_int),
 }
 
 
@@ -104,13 +110,27 @@ class RowsGemm:
         self.lib.rows_gemm_set_group_rows(rows)
 
     @property
-    def prefetch(self) -> int:
-        """How many 64-byte lines of each panel tiles of several rows prefetch ahead (0: none)."""
-        return int(self.lib.rows_gemm_get_prefetch())
+    def max_rows(self) -> int:
+        """The most rows one tile takes (a pass over the weights takes ``group_rows``)."""
+        return int(self.lib.rows_gemm_max_rows())
 
-    def set_prefetch(self, lines: int) -> None:
-        """Set `prefetch` (clamped to 0..1024), process-wide; results do not change."""
-        self.lib.rows_gemm_set_prefetch(lines)
+    def prefetch(self, rows: int) -> str:
+        """How tiles of ``rows`` rows prefetch weights: one of `PREFETCH_MODES` ("none" for
+        one row). ValueError outside 1..``max_rows``."""
+        mode = int(self.lib.rows_gemm_get_prefetch(rows))
+        if mode < 0:
+            raise ValueError(f"rows_gemm: no tile of {rows} rows")
+        return PREFETCH_MODES[mode]
+
+    def set_prefetch(self, mode: str, rows: int | None = None) -> None:
+        """Set how tiles of ``rows`` rows (2..``max_rows``; None: all of them) prefetch
+        weights, process-wide; results do not change. ValueError for another row count or a
+        mode not in `PREFETCH_MODES`."""
+        if mode not in PREFETCH_MODES:
+            raise ValueError(f"rows_gemm: prefetch mode {mode!r} not in {PREFETCH_MODES}")
+        for r in range(2, self.max_rows + 1) if rows is None else (rows,):
+            if self.lib.rows_gemm_set_prefetch(r, PREFETCH_MODES.index(mode)) != 0:
+                raise ValueError(f"rows_gemm: tiles of {r} rows do not prefetch")
 
     def pack(self, wt: torch.Tensor) -> torch.Tensor:
         """W^T [in, out] float32 (last dim contiguous) -> packed copy, [ceil(out/16), in, 16]

@@ -49,13 +49,17 @@
 #endif
 
 #define PANEL 16
-/* Tiles prefetch weights `prefetch` 64-byte lines ahead in each panel (one line per k step of
- * float weights; q8 weights, a quarter of the bytes per step, the same distance in bytes), or not
- * at all (0), as `rows_gemm_set_prefetch` sets it; PREFETCH until then. On AVX-512 only tiles of
- * several rows prefetch, as non-temporal (each weight is read once): one row streams faster with
- * the hardware's prefetcher alone. Whether several rows do too depends on the CPU, so callers
- * choose by timing. */
-#define PREFETCH 32
+/* Software prefetch of the weights by tiles of several rows, set per tile row count
+ * (`rows_gemm_set_prefetch`): PREFETCH_NONE (the hardware's prefetcher alone), PREFETCH_NTA (each
+ * panel's line PF_NTA_LINES ahead, into L1 as non-temporal: each weight is read once) or
+ * PREFETCH_L2 (PF_L2_LINES ahead, into L2). Distances are in 64-byte lines of float weights (q8
+ * weights: the same distance in bytes). One row always streams with the hardware's prefetcher
+ * alone, which does it fastest; for several rows the fastest mode depends on the CPU and the row
+ * count, so callers choose by timing. PREFETCH_DEFAULT until then. Results never depend on it. */
+enum { PREFETCH_NONE, PREFETCH_NTA, PREFETCH_L2, PREFETCH_MODES };
+#define PF_NTA_LINES 32
+#define PF_L2_LINES 64
+#define PREFETCH_DEFAULT PREFETCH_NTA
 /* Each output sums its products in blocks of this many k steps, then adds the blocks in k
  * order: rounding error grows with the block count and size, not with k (as blocked GEMMs). */
 #define KBLOCK 128
@@ -78,8 +82,18 @@ typedef void (*tile_fn)(const float *x, int64_t ldx, const void *w, const float 
                         int64_t k, int64_t ps, int64_t wk, const float *bias, float *y,
                         int64_t ldy, int64_t ncols, int64_t prefetch);
 
-/* The prefetch distance in k steps for weights of `w`'s element type: `prefetch` 64-byte lines. */
-#define PF_STEPS(w) (prefetch * (int64_t)(sizeof(float) / sizeof(*(w))))
+/* A tile's prefetch distance in k steps for weights of `w`'s element type under mode
+ * `prefetch`, 0 for none; and the prefetch of address `a` under that mode. */
+#define PF_STEPS(w) \
+    (MR == 1 || prefetch == PREFETCH_NONE \
+         ? 0 \
+         : (prefetch == PREFETCH_L2 ? PF_L2_LINES : PF_NTA_LINES) * \
+               (int64_t)(sizeof(float) / sizeof(*(w))))
+#define PREFETCH_AT(a) \
+    do { \
+        if (prefetch == PREFETCH_L2) _mm_prefetch((const char *)(a), _MM_HINT_T1); \
+        else _mm_prefetch((const char *)(a), _MM_HINT_NTA); \
+    } while (0)
 
 #if defined(ROWS_AVX512)
 #define ISA_NAME "avx512"
@@ -111,8 +125,7 @@ _Pragma("GCC unroll 8") \
 _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
                 wv[j] = WLOAD(w + j * ps + kk * wk); \
-                if (MR > 1 && pf) /* one row: the hardware prefetcher streams it faster */ \
-                    _mm_prefetch((const char *)(w + j * ps + (kk + pf) * wk), _MM_HINT_NTA); \
+                if (pf) PREFETCH_AT(w + j * ps + (kk + pf) * wk); \
             } \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
@@ -186,7 +199,7 @@ _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
                 wl[j] = WLOAD(w + j * ps + kk * wk); \
                 wh[j] = WLOAD(w + j * ps + kk * wk + 8); \
-                if (pf) _mm_prefetch((const char *)(w + j * ps + (kk + pf) * wk), _MM_HINT_T0); \
+                if (pf) PREFETCH_AT(w + j * ps + (kk + pf) * wk); \
             } \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
@@ -334,7 +347,6 @@ typedef struct {
     int64_t nunits;   /* units of TILE_NB[group] panels (the last may be short) */
     int64_t max_take; /* units per claim at most: about chunk_bytes of weights */
     int64_t threads;
-    int64_t prefetch; /* lines ahead (0: none) */
 } job_t;
 
 /* Units hold whole tiles: TILE_NB[group] panels (the last unit may be short), so that a run of
@@ -342,6 +354,9 @@ typedef struct {
 static inline int64_t tile_units(int64_t npanels, int64_t group) {
     return (npanels + TILE_NB[group] - 1) / TILE_NB[group];
 }
+
+/* Each tile row count's PREFETCH_* mode (atomic; set by rows_gemm_set_prefetch). */
+static int64_t tile_prefetch[MR_MAX + 1] = {[2 ... MR_MAX] = PREFETCH_DEFAULT};
 
 /* Units [u0, u1)'s panels for all rows, a row group at a time (later groups re-read the units'
  * weights from cache). */
@@ -356,6 +371,7 @@ static void run_units(const job_t *job, int64_t u0, int64_t u1) {
     for (int64_t r = 0; r < job->m; r += job->group) {
         const int mr = (int)(job->m - r < job->group ? job->m - r : job->group);
         const int nb = TILE_NB[mr];
+        const int64_t prefetch = __atomic_load_n(&tile_prefetch[mr], __ATOMIC_RELAXED); /* a setting: never changes y */
         const float *x = job->x + r * job->ldx; /* this group's rows */
         float *y = job->y + r * job->n;
         int64_t p = p0;
@@ -364,14 +380,14 @@ static void run_units(const job_t *job, int64_t u0, int64_t u1) {
             tile_main[mr](x, job->ldx, (const char *)job->w + p * panel_bytes,
                           job->scales ? job->scales + p * PANEL : 0, k, job->ps, job->wk,
                           job->bias ? job->bias + p * PANEL : 0, y + p * PANEL, job->n,
-                          cols < nb * PANEL ? cols : nb * PANEL, job->prefetch);
+                          cols < nb * PANEL ? cols : nb * PANEL, prefetch);
         }
         for (; p < p1; p++) {
             const int64_t cols = job->n - p * PANEL;
             tile_one[mr](x, job->ldx, (const char *)job->w + p * panel_bytes,
                          job->scales ? job->scales + p * PANEL : 0, k, job->ps, job->wk,
                          job->bias ? job->bias + p * PANEL : 0, y + p * PANEL, job->n,
-                         cols < PANEL ? cols : PANEL, job->prefetch);
+                         cols < PANEL ? cols : PANEL, prefetch);
         }
     }
 }
@@ -396,10 +412,9 @@ static struct {
     int64_t spin_ns;         /* atomic */
     int64_t chunk_bytes;     /* atomic */
     int group_rows;          /* atomic */
-    int64_t prefetch;        /* atomic */
     job_t job;               /* written by the caller before it publishes `gen` */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          0, 0xFFFFFFFFu, 0, 0, 0, 1, 50000, 512 * 1024, GROUP_ROWS, PREFETCH, {0}};
+          0, 0xFFFFFFFFu, 0, 0, 0, 1, 50000, 512 * 1024, GROUP_ROWS, {0}};
 
 #define LOAD(p) __atomic_load_n(&(p), __ATOMIC_ACQUIRE)
 #define RELAXED(p) __atomic_load_n(&(p), __ATOMIC_RELAXED)
@@ -489,7 +504,6 @@ static void *worker_main(void *arg) {
         job.nunits = RELAXED(pool.job.nunits);
         job.max_take = RELAXED(pool.job.max_take);
         job.threads = RELAXED(pool.job.threads);
-        job.prefetch = RELAXED(pool.job.prefetch);
         __atomic_thread_fence(__ATOMIC_ACQUIRE); /* pairs with the caller's release fence */
         work(&job, g); /* uses the copy only if generation g's units are still unclaimed */
     }
@@ -530,6 +544,9 @@ static int ensure_workers(int threads) {
 
 /* The compiled path: "avx512", "avx2" or "scalar". */
 const char *rows_gemm_isa(void) { return ISA_NAME; }
+
+/* The most rows one tile takes: MR_MAX. */
+int rows_gemm_max_rows(void) { return MR_MAX; }
 
 /* Elements of the packed layout of a [k, n] weight (floats; int8 values for q8). */
 int64_t rows_gemm_packed_size(int64_t k, int64_t n) { return (n + PANEL - 1) / PANEL * PANEL * k; }
@@ -597,14 +614,18 @@ void rows_gemm_set_group_rows(int rows) {
     __atomic_store_n(&pool.group_rows, rows, __ATOMIC_RELAXED);
 }
 
-/* How far ahead tiles prefetch weights, in 64-byte lines of each panel (0 .. 1024; 0: they do
- * not, the hardware's prefetcher alone streams them). */
-void rows_gemm_set_prefetch(int64_t lines) {
-    lines = lines < 0 ? 0 : lines > 1024 ? 1024 : lines;
-    __atomic_store_n(&pool.prefetch, lines, __ATOMIC_RELAXED);
+/* How tiles of `rows` rows (2 .. MR_MAX) prefetch weights: a PREFETCH_* mode. Returns 0, or -1
+ * (nothing set) if rows or mode is out of range. */
+int rows_gemm_set_prefetch(int64_t rows, int64_t mode) {
+    if (rows < 2 || rows > MR_MAX || mode < 0 || mode >= PREFETCH_MODES) return -1;
+    __atomic_store_n(&tile_prefetch[rows], mode, __ATOMIC_RELAXED);
+    return 0;
 }
 
-int64_t rows_gemm_get_prefetch(void) { return RELAXED(pool.prefetch); }
+/* The PREFETCH_* mode of tiles of `rows` rows (PREFETCH_NONE for one row); -1 if out of range. */
+int64_t rows_gemm_get_prefetch(int64_t rows) {
+    return rows < 1 || rows > MR_MAX ? -1 : __atomic_load_n(&tile_prefetch[rows], __ATOMIC_RELAXED);
+}
 
 /* How long an idle worker spins before it sleeps, in microseconds (0: sleep at once). */
 void rows_gemm_set_spin_us(int64_t us) {
@@ -630,8 +651,7 @@ static void run(const float *x, int64_t ldx, const void *w, const float *scales,
     const int64_t unit_bytes = TILE_NB[group] * k * PANEL * FMT_BYTES[fmt];
     const int64_t max_take = RELAXED(pool.chunk_bytes) / (unit_bytes > 0 ? unit_bytes : 1);
     job_t job = {x, w, scales, fmt, ps, wk, bias, y, m, k, n, ldx, group,
-                 tile_units(npanels, group), max_take > 1 ? max_take : 1, threads,
-                 RELAXED(pool.prefetch)};
+                 tile_units(npanels, group), max_take > 1 ? max_take : 1, threads};
     if (threads <= 1 || job.nunits <= 1) {
         run_alone(&job);
         return;
@@ -661,7 +681,6 @@ static void run(const float *x, int64_t ldx, const void *w, const float *scales,
     __atomic_store_n(&pool.job.nunits, job.nunits, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.max_take, job.max_take, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.job.threads, job.threads, __ATOMIC_RELAXED);
-    __atomic_store_n(&pool.job.prefetch, job.prefetch, __ATOMIC_RELAXED);
     const uint32_t gen = RELAXED(pool.gen) + 1;
     __atomic_store_n(&pool.done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.next, (uint64_t)gen << 32, __ATOMIC_RELEASE);

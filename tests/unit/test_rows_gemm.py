@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels.autotune import ROWS_PREFETCH_CHOICES, select_kernels
+from engine.kernels.autotune import select_kernels
 from engine.kernels.matmul import KERNELS
-from engine.kernels.rows import RowsGemm, load_rows_gemm
+from engine.kernels.rows import PREFETCH_MODES, RowsGemm, load_rows_gemm
 from engine.layers.linear import Linear
 
 ROWS = [*range(1, 18), 24, 33, 64]
@@ -109,24 +109,43 @@ def test_strided_input_and_row_groups(lib: RowsGemm) -> None:
 
 
 def test_prefetch_setting_keeps_the_sums(lib: RowsGemm) -> None:
-    """Every prefetch distance (none, short, the default, clamped above 1024) gives the same
-    float32 sums, on float and int8 weights and across row groups."""
+    """Every prefetch mode, at every tile row count, gives the same float32 sums, on float and
+    int8 weights and across row groups; a bad row count or mode is refused and changes nothing."""
     g = torch.Generator().manual_seed(5)
     wt = torch.randn(576, 200, generator=g)
     packed, (q8, scales) = lib.pack(wt), lib.pack_q8(wt)
     x = torch.randn(20, 576, generator=g)
-    before = lib.prefetch
+    rows = range(1, lib.max_rows + 1)
+    before = {r: lib.prefetch(r) for r in rows}
+    assert before[1] == "none"
     try:
-        lib.set_prefetch(32)
-        ref, ref_q8 = lib.matmul(x, packed, 200), lib.matmul_q8(x, q8, scales, 200)
-        for lines, expect in ((0, 0), (3, 3), (5000, 1024), (-1, 0)):
-            lib.set_prefetch(lines)
-            assert lib.prefetch == expect
-            assert rel_err(lib.matmul(x, packed, 200), x.double() @ wt.double()) < 1e-5
-            assert torch.equal(lib.matmul(x, packed, 200), ref)
-            assert torch.equal(lib.matmul_q8(x, q8, scales, 200), ref_q8)
+        lib.set_prefetch("none")
+        ms = (2, 3, 8, 20)
+        ref = {m: lib.matmul(x[:m], packed, 200) for m in ms}
+        ref_q8 = {m: lib.matmul_q8(x[:m], q8, scales, 200) for m in ms}
+        for mode in PREFETCH_MODES:
+            lib.set_prefetch(mode)
+            assert all(lib.prefetch(r) == mode for r in rows[1:])
+            for m in ms:
+                y = lib.matmul(x[:m], packed, 200)
+                assert rel_err(y, x[:m].double() @ wt.double()) < 1e-5
+                assert torch.equal(y, ref[m])
+                assert torch.equal(lib.matmul_q8(x[:m], q8, scales, 200), ref_q8[m])
+        lib.set_prefetch("nta")
+        lib.set_prefetch("l2", rows=3)
+        assert [lib.prefetch(r) for r in (2, 3, 4)] == ["nta", "l2", "nta"]
+        for bad_rows in (1, lib.max_rows + 1):
+            with pytest.raises(ValueError):
+                lib.set_prefetch("l2", rows=bad_rows)
+        with pytest.raises(ValueError):
+            lib.set_prefetch("t0", rows=2)
+        with pytest.raises(ValueError):
+            lib.prefetch(0)
+        assert lib.prefetch(2) == "nta" and lib.prefetch(1) == "none"
     finally:
-        lib.set_prefetch(before)
+        for r, mode in before.items():
+            if r > 1:
+                lib.set_prefetch(mode, r)
 
 
 def test_registered_and_selected_as_exact() -> None:
@@ -138,11 +157,16 @@ def test_registered_and_selected_as_exact() -> None:
     assert not KERNELS["rows"].supports(Linear(8, 8, dtype=torch.float64, device="cpu"))
     table = select_kernels([layer], m_values=(1, 4, 16), kernels=["rows"], target_s=2e-4)
     assert table.chosen[(576, 200)] == {1: "rows", 4: "rows", 16: "rows"}
-    # the prefetch setting is chosen by timing too: the fastest of the choices is kept
-    assert set(table.rows_prefetch) == set(ROWS_PREFETCH_CHOICES)
+    # the prefetch mode per tile row count is chosen by timing too: at each M timed (up to the
+    # rows of one pass, and that), the fastest mode; other row counts take the nearest M's
     lib = load_rows_gemm()
     assert lib is not None
-    assert lib.prefetch == min(table.rows_prefetch, key=lambda v: table.rows_prefetch[v])
+    top = lib.group_rows
+    assert sorted(table.rows_prefetch) == sorted({m for m in (4, top) if m <= top})
+    fastest = {m: min(t, key=lambda v: t[v]) for m, t in table.rows_prefetch.items()}
+    assert all(set(t) == set(PREFETCH_MODES) for t in table.rows_prefetch.values())
+    assert lib.prefetch(4) == fastest[4] and lib.prefetch(top) == fastest[top]
+    assert lib.prefetch(2) == fastest[4] and lib.prefetch(lib.max_rows) == fastest[top]
     assert all(t.exact for t in table.timings)
     for m in (1, 2, 5, 16, 40):
         x = torch.randn(m, 576, generator=g)
