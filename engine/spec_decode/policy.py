@@ -24,15 +24,17 @@ has been timed `min_samples` times, the last within `2 * refresh_every` decision
 decodes plainly, and so times it), so that a host that sped up or slowed down since cannot make
 a stale plain time look dear or cheap; every `refresh_every` speculative steps one request
 verifies the full tree (`refreshing` names its method; the others keep the choice) so that T_k
-stays current for every k; after `explore_every` plain decisions in a row the tree is tried
-again, so that one unlucky measurement (drafts that missed) cannot turn speculation off for
-good. Such tries only measure: `probing` tells the engine to draft for one request. So a probe
-or a refresh costs one tree's rows, whatever the batch. A try that the policy does not follow
-by speculating doubles the wait for the next one, up to `max_explore_every` decisions (where
-speculation does not pay, as with a large batch, tries cost little), and the policy's own
-choice to speculate brings it back to `explore_every`. A number of trees never timed is
-priced between the nearest fewer and more trees timed, or as the nearest outside them; the step
-that follows measures it.
+stays current for every k, but only once the steps since the last full tree took what it adds
+to a step over `refresh_budget`, so that refreshes cost at most that share of the time (a
+single client's full tree can take longer than the rest of its step); after `explore_every`
+plain decisions in a row the tree is tried again, so that one unlucky measurement (drafts that
+missed) cannot turn speculation off for good. Such tries only measure: `probing` tells the
+engine to draft for one request. So a probe or a refresh costs one tree's rows, whatever the
+batch. A try that the policy does not follow by speculating doubles the wait for the next one,
+up to `max_explore_every` decisions (where speculation does not pay, as with a large batch,
+tries cost little), and the policy's own choice to speculate brings it back to
+`explore_every`. A number of trees never timed is priced between the nearest fewer and more
+trees timed, or as the nearest outside them; the step that follows measures it.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class SpeculationPolicy:
         self,
         num_candidates: int,
         refresh_every: int = 16,
+        refresh_budget: float = 0.02,
         alpha: float = 0.05,
         explore_every: int = 100,
         max_explore_every: int = 800,
@@ -114,6 +117,7 @@ class SpeculationPolicy:
             )
         self.num_candidates = num_candidates
         self.refresh_every = refresh_every
+        self.refresh_budget = refresh_budget
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every
         self._explore_wait = explore_every  # plain decisions in a row before the next try
@@ -127,6 +131,8 @@ class SpeculationPolicy:
         self._excess: dict[int, tuple[tuple[int, int], Curve]] = {}
         self._num_decisions = 0
         self._since_full = dict.fromkeys(Method, 0)  # speculative decisions since a full tree
+        self._elapsed = 0.0  # seconds of the steps observed
+        self._full_at = dict.fromkeys(Method, 0.0)  # `_elapsed` at each method's last full tree
         self._since_speculative = 0  # plain decisions in a row
         self.probing = False  # the last choice only measures: speculate for one request
         self.refreshing: set[Method] = set()  # the last choice's methods that refresh T_k
@@ -166,8 +172,8 @@ class SpeculationPolicy:
                 ]
             )
         best = tuple(method_options[0] for method_options in options)  # k = 0: decode plainly
-        best_rate = 0.0
         time_by_trees: dict[int, Callable[[int], float | None]] = {0: plain_time}
+        best_rate, best_rows, best_time = 0.0, 0.0, time_by_trees[0]
         for combo in itertools.product(*options):
             tokens = rows = float(num_plain_rows)
             num_trees = 0
@@ -175,25 +181,46 @@ class SpeculationPolicy:
                 tokens, rows, num_trees = tokens + t, rows + r, num_trees + trees
             if num_trees not in time_by_trees:
                 time_by_trees[num_trees] = self._spec_time(plain_time, num_trees)
-            seconds = time_by_trees[num_trees](round(rows))
+            step_time = time_by_trees[num_trees]
+            seconds = step_time(round(rows))
             if seconds is None:  # no speculative step timed yet: try one
                 self.probing = True
-                best = combo
-                break
+                return self._chosen({m: o[0] for m, o in zip(counts, combo, strict=True) if o[0]})
             if tokens / seconds > best_rate:
-                best, best_rate = combo, tokens / seconds
-        return self._chosen(
-            {m: option[0] for m, option in zip(counts, best, strict=True) if option[0]}
-        )
+                best, best_rate, best_rows, best_time = combo, tokens / seconds, rows, step_time
 
-    def _chosen(self, choice: dict[Method, int]) -> dict[Method, int]:
+        def refresh_cost(m: Method, k: int) -> float:
+            """What one request of method m verifying the full tree instead of k candidates
+            adds to the chosen step."""
+            extra = self.acceptance[m].rows[full].value - self.acceptance[m].rows[k].value
+            before, after = best_time(round(best_rows)), best_time(round(best_rows + extra))
+            return max((after or 0.0) - (before or 0.0), 0.0)
+
+        choice = {m: option[0] for m, option in zip(counts, best, strict=True) if option[0]}
+        return self._chosen(choice, refresh_cost)
+
+    def _chosen(
+        self,
+        choice: dict[Method, int],
+        refresh_cost: Callable[[Method, int], float] | None = None,
+    ) -> dict[Method, int]:
         """Record `choice`; a speculating method `refresh_every` decisions past its last full
-        tree joins `refreshing`: one of its requests verifies the full tree this step."""
+        tree joins `refreshing` (one of its requests verifies the full tree this step) once the
+        steps since then took `refresh_cost(m, k) / refresh_budget` seconds or more."""
         for m, k in choice.items():
-            if k < self.num_candidates and self._since_full[m] >= self.refresh_every:
+            if (
+                k < self.num_candidates
+                and self._since_full[m] >= self.refresh_every
+                and (
+                    refresh_cost is None
+                    or self._elapsed - self._full_at[m] >= refresh_cost(m, k) / self.refresh_budget
+                )
+            ):
                 self.refreshing.add(m)
-            full = k == self.num_candidates or m in self.refreshing
-            self._since_full[m] = 0 if full else self._since_full[m] + 1
+            if k == self.num_candidates or m in self.refreshing:
+                self._since_full[m], self._full_at[m] = 0, self._elapsed
+            else:
+                self._since_full[m] += 1
         self._since_speculative = 0 if choice else self._since_speculative + 1
         if choice and not self.probing:
             self._explore_wait = self.explore_every
@@ -206,6 +233,7 @@ class SpeculationPolicy:
     def observe_step(self, num_rows: int, seconds: float, num_trees: int = 0) -> None:
         """A step that fed `num_rows` tokens to the model took `seconds`; `num_trees` draft trees
         were verified in it (their drafting included in `seconds`)."""
+        self._elapsed += seconds
         if num_trees == 0:
             table = self._plain_seconds
         else:

@@ -4,6 +4,7 @@ changing any token."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,8 +117,11 @@ def test_a_step_of_more_trees_is_priced_by_its_own_measurements() -> None:
 def test_speculates_only_against_a_current_plain_time() -> None:
     """Speculation waits for `min_samples` plain steps of the rows it must beat; after
     `2 * refresh_every` decisions without one, a step decodes plainly to time it again, and
-    after every `refresh_every` speculative steps one request verifies the full tree."""
-    policy = SpeculationPolicy(num_candidates=3, refresh_every=2, alpha=1.0, min_samples=2)
+    after every `refresh_every` speculative steps one request verifies the full tree (no budget
+    holding it back)."""
+    policy = SpeculationPolicy(
+        num_candidates=3, refresh_every=2, refresh_budget=float("inf"), alpha=1.0, min_samples=2
+    )
     policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)  # T = 3, 4, 4; S = 4, 5, 8
     for rows, seconds in [(4, 0.011), (5, 0.5), (8, 0.9)]:
         policy.observe_step(rows, seconds, num_trees=1)
@@ -129,6 +133,47 @@ def test_speculates_only_against_a_current_plain_time() -> None:
             policy.observe_step(1, 0.010)
     assert choices == [0, 0, 1, 1, 1, 1, 0, 1, 1, 1]
     assert [i for i, r in enumerate(refreshes) if r] == [4, 8]
+
+
+def test_refreshes_cost_at_most_their_budget() -> None:
+    """A full tree comes once the steps since the last one took what it adds to a step divided
+    by `refresh_budget`, and at least `refresh_every` decisions after it."""
+    policy = SpeculationPolicy(
+        num_candidates=3, refresh_every=8, refresh_budget=0.1, alpha=1.0, min_samples=1
+    )
+    policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)  # T = 3, 4, 4; S = 4, 5, 8
+    policy.observe_step(1, 0.010)
+    for rows, seconds in [(4, 0.011), (5, 0.5), (8, 0.031)]:
+        policy.observe_step(rows, seconds, num_trees=1)
+    # k = 1 is chosen (3 tokens in 11 ms); the full tree adds 8 - 4 rows to it, 31 - 11 = 20
+    # ms, so 200 ms of steps pass between full trees: the full tree's 31 ms, then 11 ms steps
+    # and a 10 ms plain step every tenth decision.
+    refreshes = []
+    for i in range(80):
+        assert choose(policy, 0, 1) == 1
+        refreshes.append(Method.GREEDY in policy.refreshing)
+        policy.observe_step(8 if refreshes[-1] else 4, 0.031 if refreshes[-1] else 0.011, 1)
+        if i % 10 == 9:
+            policy.observe_step(1, 0.010)  # keeps the plain time current
+    done = [i for i, r in enumerate(refreshes) if r]
+    assert len(done) >= 3
+    assert all(15 <= b - a <= 17 for a, b in itertools.pairwise(done)), done
+    # without a budget, every refresh_every decisions
+    free = SpeculationPolicy(
+        num_candidates=3, refresh_every=8, refresh_budget=float("inf"), alpha=1.0, min_samples=1
+    )
+    free.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)
+    free.observe_step(1, 0.010)
+    for rows, seconds in [(4, 0.011), (5, 0.5), (8, 0.031)]:
+        free.observe_step(rows, seconds, num_trees=1)
+    gaps = []
+    for i in range(40):
+        assert choose(free, 0, 1) == 1
+        gaps.append(Method.GREEDY in free.refreshing)
+        if i % 10 == 9:
+            free.observe_step(1, 0.010)
+    done = [i for i, r in enumerate(gaps) if r]
+    assert all(b - a == 9 for a, b in itertools.pairwise(done)) and len(done) >= 3
 
 
 def test_explores_again_after_many_plain_decisions() -> None:
@@ -286,7 +331,9 @@ def test_a_refresh_gives_the_full_tree_to_one_request(monkeypatch: pytest.Monkey
     )
     engine = make_engine(path)
     clock = StepClock(engine, monkeypatch)
-    policy = SpeculationPolicy(3, refresh_every=2, alpha=1.0, min_samples=1)
+    policy = SpeculationPolicy(
+        3, refresh_every=2, refresh_budget=float("inf"), alpha=1.0, min_samples=1
+    )
     engine.drafter = Drafter(clock.drafting(double), policy, 16)
     candidates_per_step: list[list[int]] = []
     take_trees = engine.drafter.take_trees
