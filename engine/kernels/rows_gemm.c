@@ -54,8 +54,9 @@
  * panel's line PF_NTA_LINES ahead, into L1 as non-temporal: each weight is read once) or
  * PREFETCH_L2 (PF_L2_LINES ahead, into L2). Distances are in 64-byte lines of float weights (q8
  * weights: the same distance in bytes). One row always streams with the hardware's prefetcher
- * alone, which does it fastest; for several rows the fastest mode depends on the CPU and the row
- * count, so callers choose by timing. PREFETCH_DEFAULT until then. Results never depend on it. */
+ * alone (the fastest on every CPU measured); for several rows the fastest mode depends on the CPU
+ * and the row count, so callers choose by timing. PREFETCH_DEFAULT until then. Results never
+ * depend on it. */
 enum { PREFETCH_NONE, PREFETCH_NTA, PREFETCH_L2, PREFETCH_MODES };
 #define PF_NTA_LINES 32
 #define PF_L2_LINES 64
@@ -69,7 +70,8 @@ enum { PREFETCH_NONE, PREFETCH_NTA, PREFETCH_L2, PREFETCH_MODES };
  * Tiles: MR rows of x times NB panels starting at `w` (panel j, step kk at w + j * ps + kk * wk
  * elements: ps = k * PANEL, wk = PANEL when packed; ps = PANEL, wk = ldw in place), written to
  * y[MR][ncols] with row stride ldy, ncols <= NB * PANEL (the rest of the last panel is padding).
- * `bias` is NULL or points at NB * PANEL readable floats (the padded bias).
+ * `bias` is NULL or points at NB * PANEL readable floats (the padded bias). `prefetch` is the
+ * tile's PREFETCH_* mode.
  *
  * Two families come from one TILE_BODY(MR, NB, WLOAD, SCALED): `tile_MR_NB` on float weights
  * (WLOAD_F32, SCALED 0; `scales` unused) and `tile_q8_MR_NB` on int8 weights (WLOAD_Q8, which
@@ -371,7 +373,8 @@ static void run_units(const job_t *job, int64_t u0, int64_t u1) {
     for (int64_t r = 0; r < job->m; r += job->group) {
         const int mr = (int)(job->m - r < job->group ? job->m - r : job->group);
         const int nb = TILE_NB[mr];
-        const int64_t prefetch = __atomic_load_n(&tile_prefetch[mr], __ATOMIC_RELAXED); /* a setting: never changes y */
+        /* a setting of speed alone: y is the same in every mode */
+        const int64_t prefetch = __atomic_load_n(&tile_prefetch[mr], __ATOMIC_RELAXED);
         const float *x = job->x + r * job->ldx; /* this group's rows */
         float *y = job->y + r * job->n;
         int64_t p = p0;
@@ -624,7 +627,8 @@ int rows_gemm_set_prefetch(int64_t rows, int64_t mode) {
 
 /* The PREFETCH_* mode of tiles of `rows` rows (PREFETCH_NONE for one row); -1 if out of range. */
 int64_t rows_gemm_get_prefetch(int64_t rows) {
-    return rows < 1 || rows > MR_MAX ? -1 : __atomic_load_n(&tile_prefetch[rows], __ATOMIC_RELAXED);
+    if (rows < 1 || rows > MR_MAX) return -1;
+    return __atomic_load_n(&tile_prefetch[rows], __ATOMIC_RELAXED);
 }
 
 /* How long an idle worker spins before it sleeps, in microseconds (0: sleep at once). */
