@@ -138,42 +138,36 @@ def test_speculates_only_against_a_current_plain_time() -> None:
 def test_refreshes_cost_at_most_their_budget() -> None:
     """A full tree comes once the steps since the last one took what it adds to a step divided
     by `refresh_budget`, and at least `refresh_every` decisions after it."""
-    policy = SpeculationPolicy(
-        num_candidates=3, refresh_every=8, refresh_budget=0.1, alpha=1.0, min_samples=1
-    )
-    policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)  # T = 3, 4, 4; S = 4, 5, 8
-    policy.observe_step(1, 0.010)
-    for rows, seconds in [(4, 0.011), (5, 0.5), (8, 0.031)]:
-        policy.observe_step(rows, seconds, num_trees=1)
-    # k = 1 is chosen (3 tokens in 11 ms); the full tree adds 8 - 4 rows to it, 31 - 11 = 20
-    # ms, so 200 ms of steps pass between full trees: the full tree's 31 ms, then 11 ms steps
-    # and a 10 ms plain step every tenth decision.
-    refreshes = []
-    for i in range(80):
-        assert choose(policy, 0, 1) == 1
-        refreshes.append(Method.GREEDY in policy.refreshing)
-        policy.observe_step(8 if refreshes[-1] else 4, 0.031 if refreshes[-1] else 0.011, 1)
-        if i % 10 == 9:
-            policy.observe_step(1, 0.010)  # keeps the plain time current
-    done = [i for i, r in enumerate(refreshes) if r]
+
+    def refreshes(budget: float, num_decisions: int) -> list[int]:
+        """The decisions that refreshed, each step observed as taking what the choice predicts,
+        with a 10 ms plain step after every tenth to keep the plain time current."""
+        policy = SpeculationPolicy(
+            num_candidates=3, refresh_every=8, refresh_budget=budget, alpha=1.0, min_samples=1
+        )
+        policy.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)  # T = 3, 4, 4; S = 4, 5, 8
+        policy.observe_step(1, 0.010)
+        for rows, seconds in [(4, 0.011), (5, 0.5), (8, 0.031)]:
+            policy.observe_step(rows, seconds, num_trees=1)
+        done = []
+        for i in range(num_decisions):
+            assert choose(policy, 0, 1) == 1  # 3 tokens in 11 ms
+            full = Method.GREEDY in policy.refreshing
+            done += [i] if full else []
+            policy.observe_step(8 if full else 4, 0.031 if full else 0.011, num_trees=1)
+            if i % 10 == 9:
+                policy.observe_step(1, 0.010)
+        return done
+
+    # The full tree adds 8 - 4 rows to the chosen step, 31 - 11 = 20 ms, so 200 ms of steps
+    # pass between full trees: its own 31 ms, then 11 ms steps and a 10 ms plain step in ten.
+    done = refreshes(0.1, 80)
     assert len(done) >= 3
     assert all(15 <= b - a <= 17 for a, b in itertools.pairwise(done)), done
-    # without a budget, every refresh_every decisions
-    free = SpeculationPolicy(
-        num_candidates=3, refresh_every=8, refresh_budget=float("inf"), alpha=1.0, min_samples=1
-    )
-    free.observe_tree(TREE, [1, 2, 4, 8], Method.GREEDY)
-    free.observe_step(1, 0.010)
-    for rows, seconds in [(4, 0.011), (5, 0.5), (8, 0.031)]:
-        free.observe_step(rows, seconds, num_trees=1)
-    gaps = []
-    for i in range(40):
-        assert choose(free, 0, 1) == 1
-        gaps.append(Method.GREEDY in free.refreshing)
-        if i % 10 == 9:
-            free.observe_step(1, 0.010)
-    done = [i for i, r in enumerate(gaps) if r]
-    assert all(b - a == 9 for a, b in itertools.pairwise(done)) and len(done) >= 3
+    # without a budget: every refresh_every decisions after the last full tree
+    done = refreshes(float("inf"), 40)
+    assert len(done) >= 3
+    assert all(b - a == 9 for a, b in itertools.pairwise(done)), done
 
 
 def test_explores_again_after_many_plain_decisions() -> None:
