@@ -55,13 +55,13 @@ def interleaved_min(fns: dict[str, Callable[[], object]], repeats: int) -> dict[
 
 def matmul_floor(llm: LLM, batch: int) -> Callable[[], None]:
     """One decode step's linear layers alone, in model order, with the kernels the engine
-    chose, on `batch` rows."""
+    chose, on `batch` rows, each called as the model calls it (`forward`, no module hooks)."""
     linears = llm.runner.model.linears()
     inputs = [torch.randn(batch, lin.in_features) for lin in linears]
 
     def step() -> None:
         for lin, x in zip(linears, inputs, strict=True):
-            lin(x)
+            lin.forward(x)
 
     return step
 
