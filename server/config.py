@@ -8,61 +8,18 @@ Importing this module is cheap (no torch).
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from engine.config import CANDIDATE_SELECTIONS, DEFAULT_MEMORY_FRACTION, DTYPES
-from engine.paths import default_model_path, find_model, is_hub_id, speculators_dir
+from engine.config import DEFAULT_MEMORY_FRACTION
+from engine.paths import default_model_path
+from server.config_checks import check_config, parse_top_k
+from server.dtypes import canonical_dtype
 
-_MODEL_LENGTH_KEYS = (
-    "max_position_embeddings",
-    "n_positions",
-    "max_seq_len",
-    "seq_length",
-    "max_sequence_length",
-    "max_seq_length",
-    "seq_len",
-)
-_DEFAULT_MAX_SEQUENCE_LENGTH = 2048
 DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024 - 64 * 1024
 """64 KiB below gRPC's default receive limit (4 MiB): a client with default settings would fail
 on a larger message with RESOURCE_EXHAUSTED and no explanation."""
-
-
-DTYPE_ALIASES = {
-    "float16": "float16",
-    "half": "float16",
-    "fp16": "float16",
-    "f16": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float32": "float32",
-    "float": "float32",
-    "fp32": "float32",
-    "f32": "float32",
-}
-"""Torch dtype names (and their usual short forms) -> the engine's dtype. TGIS passes DTYPE_STR to
-torch; `int8` (bitsandbytes 8-bit weights) is accepted by `canonical_dtype` as "no dtype"."""
-INT8_DTYPE = "int8"
-
-
-def canonical_dtype(name: str | None) -> str | None:
-    """The engine dtype (float16, bfloat16 or float32) of a torch dtype name such as ``half``,
-    ``torch.bfloat16`` or ``FP32`` (case-insensitive); None for None and for ``int8``, which the
-    caller reports as not supported. ValueError for any other name."""
-    if name is None:
-        return None
-    key = name.strip().lower().removeprefix("torch.")
-    if key == INT8_DTYPE:
-        return None
-    if key not in DTYPE_ALIASES:
-        raise ValueError(
-            f"dtype must be a torch floating dtype name ({', '.join(DTYPE_ALIASES)}), got {name!r}"
-        )
-    return DTYPE_ALIASES[key]
 
 
 def _meta(
@@ -79,10 +36,12 @@ def _meta(
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The server's settings. `from_env_and_args` builds it; `__post_init__` validates it.
+    """The server's settings. `from_env_and_args` builds it; `__post_init__` validates it
+    (`server.config_checks`).
 
-    Values that depend on the model (`max_sequence_length` when unset) are resolved by
-    `resolved_max_sequence_length()`; the effective max_new_tokens is `effective_max_new_tokens`.
+    Where the model and speculator are, and values that depend on the model
+    (`max_sequence_length` when unset), are resolved by `server.model_files`; the effective
+    max_new_tokens is `effective_max_new_tokens`.
     """
 
     model_name: str = field(
@@ -352,128 +311,17 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.model_name:
-            raise ValueError("model_name must not be empty")
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.max_sequence_length is not None and self.max_sequence_length < 2:
-            raise ValueError(f"max_sequence_length must be >= 2, got {self.max_sequence_length}")
-        for name in ("max_new_tokens", "max_batch_size", "max_batched_tokens", "num_shard"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.prompt_cache_size_mb < 0:
-            raise ValueError(f"prompt_cache_size_mb must be >= 0, got {self.prompt_cache_size_mb}")
-        if self.max_concurrent_requests < 1:
-            raise ValueError(
-                f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
-            )
-        if self.max_batched_tokens < self.max_batch_size:
-            raise ValueError(
-                f"max_batched_tokens ({self.max_batched_tokens}) must be >= max_batch_size "
-                f"({self.max_batch_size})"
-            )
-        if self.max_response_bytes < 1024:
-            raise ValueError(f"max_response_bytes must be >= 1024, got {self.max_response_bytes}")
-        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 2:
-            raise ValueError(f"kv_cache_blocks must be >= 2, got {self.kv_cache_blocks}")
-        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
-            raise ValueError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
-        if not 0 < self.cuda_process_memory_fraction <= 1:
-            raise ValueError(
-                "cuda_process_memory_fraction must be in (0, 1], got "
-                f"{self.cuda_process_memory_fraction}"
-            )
-        for name in ("grpc_port", "port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        if self.shard_timeout_s <= 0:
-            raise ValueError(f"shard_timeout_s must be > 0, got {self.shard_timeout_s}")
-        if self.shutdown_grace_s < 0:
-            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        for name in ("speculator_n_predict", "speculator_n_candidates"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.speculator_max_batch_size < 0:
-            raise ValueError(
-                f"speculator_max_batch_size must be >= 0, got {self.speculator_max_batch_size}"
-            )
-        self.speculator_top_k()
-        if self.speculator_candidate_selection not in CANDIDATE_SELECTIONS:
-            raise ValueError(
-                "speculator_candidate_selection must be coverage or joint, got "
-                f"{self.speculator_candidate_selection!r}"
-            )
-        if (self.tls_cert_path is None) != (self.tls_key_path is None):
-            raise ValueError("tls: must provide both cert and key")
-        if self.tls_client_ca_cert_path is not None and self.tls_cert_path is None:
-            raise ValueError("tls: cannot provide client ca cert without keypair")
+        check_config(self)
 
     def speculator_top_k(self) -> tuple[int, ...] | None:
-        """`speculator_top_k_tokens_per_head` parsed; ValueError when it is not a list of
-        positive integers."""
-        raw = self.speculator_top_k_tokens_per_head
-        if raw is None or not raw.strip():
-            return None
-        try:
-            values = tuple(int(v) for v in raw.replace(" ", "").split(","))
-        except ValueError:
-            values = ()
-        if not values or min(values) < 1:
-            raise ValueError(
-                f"speculator_top_k_tokens_per_head must be a comma list of positive integers, "
-                f"got {raw!r}"
-            )
-        return values
+        """`speculator_top_k_tokens_per_head` parsed (`parse_top_k`)."""
+        return parse_top_k(self.speculator_top_k_tokens_per_head)
 
     @property
     def tls_enabled(self) -> bool:
         """True when the gRPC port serves TLS (cert and key are set)."""
         return self.tls_cert_path is not None
-
-    @property
-    def model_path(self) -> Path:
-        """`model_name` as a folder (`engine.paths.find_model`: a path, a prepared model, or a
-        Hub id at `revision` in the HF cache); ModelNotFoundError naming where it looked."""
-        return find_model(self.model_name, self.revision)
-
-    @property
-    def speculator_model_path(self) -> Path | None:
-        """`speculator_path` as a file or folder (a path, a prepared speculator under
-        $SPECSERVE_HOME/speculators, or a Hub id at `speculator_revision` in the HF cache);
-        None without a speculator."""
-        if self.speculator_path is None:
-            return None
-        path = Path(self.speculator_path).expanduser()
-        if path.exists() or not is_hub_id(self.speculator_path):
-            return path  # a missing path: the speculator loader names it
-        return find_model(
-            self.speculator_path, self.speculator_revision, speculators_dir(), "speculator"
-        )
-
-    def with_resolved_models(self) -> ServerConfig:
-        """A copy whose model_name (and speculator_path) are the resolved local paths, so that
-        the lookup runs once; ModelNotFoundError when one is not found."""
-        speculator = self.speculator_model_path
-        return dataclasses.replace(
-            self,
-            model_name=str(self.model_path),
-            speculator_path=None if speculator is None else str(speculator),
-        )
-
-    def resolved_max_sequence_length(self) -> int:
-        """`max_sequence_length`, else the first length key of the model's config.json, else
-        2048 (TGIS's launcher order)."""
-        if self.max_sequence_length is not None:
-            return self.max_sequence_length
-        try:
-            cfg = json.loads((self.model_path / "config.json").read_text())
-        except (OSError, ValueError):
-            return _DEFAULT_MAX_SEQUENCE_LENGTH
-        for key in _MODEL_LENGTH_KEYS:
-            if isinstance(cfg.get(key), int):
-                return int(cfg[key])
-        return _DEFAULT_MAX_SEQUENCE_LENGTH
 
     def effective_max_new_tokens(self, max_sequence_length: int) -> int:
         """min(max_new_tokens, max_sequence_length - 1)."""

@@ -44,6 +44,7 @@ from server.grpc_server import GenerationServicer
 from server.http_server import HttpServer
 from server.logs import setup_logging, write_termination_log
 from server.metrics import ServerMetrics
+from server.model_files import model_path, resolved_max_sequence_length, with_resolved_models
 from server.pb import generation_pb2, generation_pb2_grpc
 from server.ports import add_grpc_port, bind_http, check_port_free
 from server.prefix_store import PrefixStore
@@ -85,7 +86,7 @@ def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfi
             adaptive=config.speculator_adaptive,
         )
     return EngineConfig(
-        model_path=config.model_path,
+        model_path=model_path(config),
         dtype=config.dtype,
         device=config.device,
         max_num_seqs=config.max_batch_size,
@@ -109,7 +110,7 @@ def resolve_models(config: ServerConfig) -> ServerConfig:
     """`config` with its model (and speculator) names resolved to local paths, once, logged:
     a path, a prepared model, or a Hub id at REVISION in the local HF cache (never
     downloaded). ModelNotFoundError (an OSError) names every place looked at."""
-    resolved = config.with_resolved_models()
+    resolved = with_resolved_models(config)
     if resolved.model_name != config.model_name:
         logger.info("model %s: %s", config.model_name, resolved.model_name)
     if resolved.speculator_path != config.speculator_path:
@@ -148,8 +149,8 @@ async def serve(config: ServerConfig) -> None:
     credentials = server_credentials(config)
     check_port_free(config.grpc_port, "gRPC", "GRPC_PORT")
     check_port_free(config.port, "HTTP", "PORT")
-    max_seq_len = config.resolved_max_sequence_length()
-    tokenizer = load_tokenizer(config.model_path)
+    max_seq_len = resolved_max_sequence_length(config)
+    tokenizer = load_tokenizer(model_path(config))
     engine = build_engine(engine_config(config, max_seq_len), tokenizer)
     if engine.scheduler.max_model_len < max_seq_len:
         logger.warning(

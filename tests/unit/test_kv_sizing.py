@@ -23,6 +23,7 @@ from engine.model_runner import resolve_dtype
 from engine.models.llama import LlamaConfig
 from server.config import ServerConfig
 from server.main import engine_config
+from server.model_files import resolved_max_sequence_length
 
 LLAMA_2_13B = {
     "architectures": ["LlamaForCausalLM"],
@@ -109,7 +110,7 @@ def test_model_card_command_passes_start_up_checks(
     server = ServerConfig.from_env_and_args(
         ["-c", "0.9"], {"MODEL_NAME": str(folder), "DTYPE_STR": "float16", "DEVICE": "cuda"}
     )
-    max_seq_len = server.resolved_max_sequence_length()
+    max_seq_len = resolved_max_sequence_length(server)
     config = engine_config(server, max_seq_len)
     model = LlamaConfig.from_folder(folder)
     dtype = resolve_dtype(config.dtype, model.torch_dtype, config.device)

@@ -22,9 +22,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import server.main
 from engine.paths import ModelNotFoundError, find_model, hf_hub_cache
 from server.cli import IGNORED_LAUNCHER_FLAGS, parse_launcher
-from server.config import ServerConfig, canonical_dtype
+from server.config import ServerConfig
+from server.dtypes import canonical_dtype
 from server.logs import JsonFormatter, setup_logging
 from server.messages import ValidationError
+from server.model_files import model_path, speculator_model_path, with_resolved_models
 from server.pb import generation_pb2 as pb
 from server.proto_fields import check_known_fields
 from server.tracing import RequestTracer, SequenceRecord, rpc_span
@@ -195,10 +197,10 @@ def test_hub_ids_resolve_from_the_local_cache(hf_cache: Path) -> None:
     config = ServerConfig.from_env_and_args(
         ["--model-name", "meta-llama/Llama-2-13b-chat-hf", "--revision", "v1"], {}
     )
-    assert config.model_path == v1
+    assert model_path(config) == v1
     spec = make_snapshot(hf_cache, "ibm-fms/llama-13b-accelerator", COMMIT, ("main",))
     env = {"SPECULATOR_NAME": "ibm-fms/llama-13b-accelerator", "MODEL_NAME": "gpt2"}
-    resolved = ServerConfig.from_env_and_args([], env).with_resolved_models()
+    resolved = with_resolved_models(ServerConfig.from_env_and_args([], env))
     assert (resolved.model_name, resolved.speculator_path) == (str(single), str(spec))
 
 
@@ -221,9 +223,7 @@ def test_missing_model_names_what_was_looked_for(hf_cache: Path, tmp_path: Path)
     with pytest.raises(ModelNotFoundError, match=r"snapshots/0123.* \(acme/empty at main\) has no"):
         find_model("acme/empty")
     with pytest.raises(ModelNotFoundError, match="speculator 'acme/spec' not found"):
-        _ = ServerConfig.from_env_and_args(
-            [], {"SPECULATOR_NAME": "acme/spec"}
-        ).speculator_model_path
+        speculator_model_path(ServerConfig.from_env_and_args([], {"SPECULATOR_NAME": "acme/spec"}))
 
 
 def test_hf_cache_folder_order(tmp_path: Path) -> None:
