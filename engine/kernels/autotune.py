@@ -164,8 +164,11 @@ def _tune_rows_prefetch(
     lib = load_rows_gemm()
     if lib is None:
         return {}
-    top = lib.group_rows
-    ms = sorted({m for m in m_values if 2 <= m <= top} | {top for m in m_values if m > top > 1})
+    top = lib.group_rows  # the most rows of one tile in a pass
+    timed = {m for m in m_values if 2 <= m <= top}
+    if top >= 2 and any(m > top for m in m_values):
+        timed.add(top)
+    ms = sorted(timed)
     if not ms:
         return {}
     gen = torch.Generator().manual_seed(0)
