@@ -1,7 +1,8 @@
 """ctypes binding of `rows_gemm.c`, a float32 matrix product for few rows (`RowsGemm`, served as
 the "rows" linear kernel by `engine.kernels.matmul`, and on int8 weights as the speculator's
-vocabulary heads), built for this CPU by `engine.kernels.cpu.load_library`. Without a C compiler
-`load_rows_gemm` returns None and the "rows" kernel is not offered.
+vocabulary heads), built with its tiles (`rows_tiles.h`) and thread pool (`unit_pool.c`) for
+this CPU by `engine.kernels.cpu.load_library`. Without a C compiler `load_rows_gemm` returns
+None and the "rows" kernel is not offered.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from engine.kernels.pages import huge_page_zeros
 
 logger = logging.getLogger(__name__)
 
-ROWS_SOURCE = Path(__file__).with_name("rows_gemm.c")
+ROWS_SOURCES = (Path(__file__).with_name("rows_gemm.c"), Path(__file__).with_name("unit_pool.c"))
 # Extra flags per `load_rows_gemm` variant: its instruction-set path is chosen at compile time.
 ROWS_VARIANTS: dict[str, tuple[str, ...]] = {
     "native": ("-pthread",),
@@ -221,7 +222,7 @@ def load_rows_gemm(
     without AVX-512 ("avx2", on a CPU that has AVX2) or as portable C ("scalar"); None (logged)
     where it cannot be built or loaded."""
     try:
-        return RowsGemm(load_library(ROWS_SOURCE, ROWS_VARIANTS[variant]))
+        return RowsGemm(load_library(ROWS_SOURCES, ROWS_VARIANTS[variant]))
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
         logger.warning("rows_gemm (%s) unavailable: %s", variant, e)
         return None
