@@ -3,14 +3,15 @@ that a shared host's drift cannot swamp.
 
 Two servers taking turns (`bench_serving --speculator`) see the host change between their
 windows by more than the few percent in question. Here one engine (SmolLM2 float32, the server's
-adaptive policy) serves `concurrency` closed-loop clients (exactly `--new-tokens` tokens, on the
+adaptive policy) serves `concurrency` closed-loop clients (exactly `--new-tokens` tokens, the
+first request of each client fewer so that the clients' requests end at different steps; on the
 held-out serving prompts; greedy, or sampled at `--temperature` and `--top-p` with a random seed
-per request) through `--rounds` pairs of `--window`-second windows, its
-speculator attached in one window of each pair and detached in the other (the order alternating
-per pair). The clients run on through the switches and the policy keeps what it learnt, as a
-server would; the first pair of windows is uncounted. Per level: tokens/s on and off, their
-ratio, the quartiles of the per-pair ratios, and the speculative steps taken. Writes
-bench/results/spec_onoff.json (spec_onoff_sampled.json when sampled).
+per request) through `--rounds` pairs of `--window`-second windows, its speculator attached in
+one window of each pair and detached in the other (the order alternating per pair). The clients
+run on through the switches and the policy keeps what it learnt, as a server would; the first
+pair of windows is uncounted. Per level: tokens/s on and off, their ratio, the quartiles of the
+per-pair ratios, and the speculative steps taken. Writes bench/results/spec_onoff.json
+(spec_onoff_sampled.json when sampled).
 
     python -m bench.spec_onoff --speculator PATH [--concurrency 1 4 16 32] [--rounds 16]
                                [--window 2.5] [--temperature 0.7 --top-p 0.9]
@@ -23,6 +24,7 @@ import itertools
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench.chat_prompts import SERVING_PROMPTS
@@ -48,18 +50,22 @@ def run_level(
     """`concurrency` clients, each sending its next request when one finishes, through one
     `seconds` window per entry of `windows` ("on": the speculator attached, "off": detached):
     per window the tokens that arrived in it, the steps in it that verified draft trees and its
-    length (its last step ends after the deadline)."""
+    length (its last step ends after the deadline). Client i's first request asks for
+    (i + 1) / concurrency of `params`' tokens, so that the clients' requests end (and the next
+    ones' prompts are computed) spread over the steps rather than all in one step, as with
+    clients that did not arrive together."""
     ids = (f"c{concurrency}-{i}" for i in itertools.count())
     prompt_ids = itertools.cycle(prompts)
     live: set[str] = set()
 
-    def send() -> None:
+    def send(request_params: SamplingParams = params) -> None:
         request_id = next(ids)
-        engine.add_request(request_id, next(prompt_ids), params)
+        engine.add_request(request_id, next(prompt_ids), request_params)
         live.add(request_id)
 
-    for _ in range(concurrency):
-        send()
+    for i in range(concurrency):
+        num_tokens = max(1, params.max_new_tokens * (i + 1) // concurrency)
+        send(replace(params, max_new_tokens=num_tokens, min_new_tokens=num_tokens))
     counts = []
     for name in windows:
         engine.set_drafter(drafter if name == "on" else None)
