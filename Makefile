@@ -7,7 +7,7 @@ SPECSERVE_HOME ?= $(HOME)/.cache/specserve
 export SPECSERVE_HOME
 SPECULATOR_MINUTES ?= 10
 SPECULATOR_EPOCHS ?= 20
-SPECULATOR_PROMPTS ?= 1792
+SPECULATOR_PROMPTS ?= 3584
 SPECULATOR_MAX_NEW_TOKENS ?= 128
 
 .DEFAULT_GOAL := help
@@ -70,7 +70,7 @@ run: models gen-proto ## Serve the default model (with its speculator once `make
 		exec $(PY) -m server.main
 
 .PHONY: speculator
-speculator: models ## Train the default model's speculator (cached; under 30 min on 2 CPU cores); prints its folder last
+speculator: models ## Train the default model's speculator (cached; about 32 min on 2 CPU cores); prints its folder last
 	$(PY) -m training.train --num-prompts $(SPECULATOR_PROMPTS) \
 		--max-new-tokens $(SPECULATOR_MAX_NEW_TOKENS) --epochs $(SPECULATOR_EPOCHS) \
 		--minutes $(SPECULATOR_MINUTES)

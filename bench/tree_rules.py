@@ -1,12 +1,14 @@
 """Tokens per verified tree against its rows, for each candidate selection rule, offline.
 
-Greedy answers to held-out prompts are generated plainly; then at every answer position the
+Greedy answers to held-out prompts (the training's evaluation prompts, or with `--serving` the
+serving benchmarks' chat prompts) are generated plainly; then at every answer position the
 speculator drafts its whole top-k tree from the base model's state there, and each rule's trees
 of every size are matched against the tokens that really followed (a tree gains 1 + the longest
 prefix of them it holds). "nodes" trees of any size; "coverage" and "joint" trees of their first
-k candidate paths (their mean rows shown). Writes bench/results/tree_rules.json.
+k candidate paths (their mean rows shown). Writes bench/results/tree_rules.json
+(tree_rules_serving.json with `--serving`).
 
-    python -m bench.tree_rules --speculator PATH [--prompts 40] [--new-tokens 96]
+    python -m bench.tree_rules --speculator PATH [--prompts 40] [--new-tokens 96] [--serving]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.chat_prompts import SERVING_PROMPTS
 from engine import LLM
 from engine.config import CANDIDATE_SELECTIONS
 from engine.model_runner import SequenceInput
@@ -38,6 +41,9 @@ def main() -> None:
     parser.add_argument("--speculator", type=Path, required=True)
     parser.add_argument("--prompts", type=int, default=40)
     parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument(
+        "--serving", action="store_true", help="the serving benchmarks' prompts, not eval's"
+    )
     args = parser.parse_args()
 
     llm = LLM(args.model, dtype="float32", max_num_tokens=8192)
@@ -53,7 +59,8 @@ def main() -> None:
     top_k = speculator.config.top_k_tokens_per_head
     n = speculator.config.n_candidates
     depth = len(top_k)
-    prompts = chat_prompt_ids(llm.tokenizer, eval_prompts()[: args.prompts])
+    texts = SERVING_PROMPTS if args.serving else eval_prompts()
+    prompts = chat_prompt_ids(llm.tokenizer, texts[: args.prompts])
     answers = llm.generate(prompts, max_new_tokens=args.new_tokens)
     gained: dict[str, dict[int, list[float]]] = {s: defaultdict(list) for s in CANDIDATE_SELECTIONS}
     rows: dict[str, dict[int, list[float]]] = {s: defaultdict(list) for s in CANDIDATE_SELECTIONS}
@@ -81,7 +88,13 @@ def main() -> None:
                     best = max(best, length)
                     gained[selection][k].append(best + 1)
                     rows[selection][k].append(max(tree.leaves[:k]) + 1)
-    result = {"model": args.model.name, "top_k": list(top_k), "n_candidates": n, "rules": {}}
+    result = {
+        "model": args.model.name,
+        "prompts": "serving" if args.serving else "eval",
+        "top_k": list(top_k),
+        "n_candidates": n,
+        "rules": {},
+    }
     for selection in CANDIDATE_SELECTIONS:
         print(f"{selection}: k, rows, tokens per tree")
         table = []
@@ -95,9 +108,10 @@ def main() -> None:
             print(f"  {k:>2} {cell['rows']:6.2f} {cell['tokens']:6.3f}")
         result["rules"][selection] = table
     print(f"{len(gained['nodes'][1])} positions")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    path = RESULTS.with_name("tree_rules_serving.json") if args.serving else RESULTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
