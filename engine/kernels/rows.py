@@ -93,7 +93,7 @@ class RowsGemm:
         self.lib.rows_gemm_set_threads(n)
 
     def set_spin_us(self, us: int) -> None:
-        """How long an idle worker spins for the next call before it sleeps."""
+        """How long an idle worker spins for the next call before it sleeps (default 500)."""
         self.lib.rows_gemm_set_spin_us(us)
 
     def set_chunk_bytes(self, nbytes: int) -> None:

@@ -31,7 +31,7 @@ static struct {
     int64_t spin_ns;         /* atomic */
     call_t call;             /* written by the caller before it publishes `gen` */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          0, 0xFFFFFFFFu, 0, 0, 0, 1, 50000, {0}};
+          0, 0xFFFFFFFFu, 0, 0, 0, 1, 500000, {0}};
 
 #define LOAD(p) __atomic_load_n(&(p), __ATOMIC_ACQUIRE)
 #define RELAXED(p) __atomic_load_n(&(p), __ATOMIC_RELAXED)

@@ -6,7 +6,9 @@
  * returns when every run is done. The threads claim runs from one atomic counter, each run a
  * share of the units left (guided scheduling: up to `max_take` units, down to one as the call
  * ends, so that the threads finish together). Between calls a worker spins for `spin_us`
- * microseconds, then sleeps on a condition variable. Concurrent calls from several threads are
+ * microseconds (default 500: longer than the other work between a step's products, and than
+ * most gaps between one client's steps, so that a worker is rarely woken from sleep within a
+ * step), then sleeps on a condition variable. Concurrent calls from several threads are
  * serialised by a mutex. Workers are not inherited by a forked child; the child starts its own
  * on its first call.
  */
