@@ -9,6 +9,7 @@ measured and chose.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -47,8 +48,8 @@ class KernelTable:
     """M -> {variant: ms of one pass over all layers}: "per shape" (the per-shape choices) and
     "all NAME" (kernel NAME on every layer), what decided the plan (see ``select_kernels``)."""
     rows_prefetch: dict[int, dict[str, float]] = field(default_factory=dict)
-    """M -> the "rows" kernel's prefetch modes tried -> ms of one pass over all layers in that
-    mode (see ``select_kernels``); empty if not tried."""
+    """M -> the "rows" kernel's prefetch modes tried -> median ms of one pass over all layers in
+    that mode (see ``select_kernels``); empty if not tried."""
     shared: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def format(self) -> str:
@@ -156,9 +157,11 @@ def _tune_rows_prefetch(
     """Time one pass of the "rows" kernels `rows_fns` (a model's layers in order, with their
     in_features) at each M of `m_values` from 2 to the kernel's ``group_rows`` (one tile each;
     ``group_rows`` itself too where `m_values` goes beyond it) under each of `PREFETCH_MODES`, in
-    turn `rounds` times after a warm-up. Tiles of each row count get the mode fastest at the
-    timed M nearest it (by ratio, the smaller on a tie). Returns M -> mode -> best ms (empty, the
-    settings untouched, when no M is in range)."""
+    turn `rounds` times after a warm-up. Tiles of each row count get the mode of the least median
+    time at the timed M nearest it (by ratio, the smaller on a tie): the median, not the best, as
+    memory bandwidth on a shared host changes between rounds, and a mode that is best in only one
+    of them is not the best. Returns M -> mode -> median ms (empty, the settings untouched, when
+    no M is in range)."""
     from engine.kernels.rows import PREFETCH_MODES, load_rows_gemm
 
     lib = load_rows_gemm()
@@ -173,7 +176,7 @@ def _tune_rows_prefetch(
         return {}
     gen = torch.Generator().manual_seed(0)
     inputs = {m: [torch.randn((m, k), generator=gen) for k in in_features] for m in ms}
-    best = {m: dict.fromkeys(PREFETCH_MODES, float("inf")) for m in ms}
+    times: dict[int, dict[str, list[float]]] = {m: {v: [] for v in PREFETCH_MODES} for m in ms}
     for r in range(rounds + 1):
         for mode in PREFETCH_MODES:
             lib.set_prefetch(mode)
@@ -182,11 +185,12 @@ def _tune_rows_prefetch(
                 for fn, x in zip(rows_fns, inputs[m], strict=True):
                     fn(x)
                 if r:
-                    best[m][mode] = min(best[m][mode], (time.perf_counter() - t0) * 1e3)
+                    times[m][mode].append((time.perf_counter() - t0) * 1e3)
+    medians = {m: {v: statistics.median(t) for v, t in by.items()} for m, by in times.items()}
     for rows in range(2, lib.max_rows + 1):
         nearest = min(ms, key=lambda m: (abs(math.log(m / rows)), m))
-        lib.set_prefetch(min(best[nearest], key=lambda v: best[nearest][v]), rows)
-    return best
+        lib.set_prefetch(min(medians[nearest], key=lambda v: medians[nearest][v]), rows)
+    return medians
 
 
 def select_kernels(
