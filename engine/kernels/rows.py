@@ -31,8 +31,9 @@ ROWS_VARIANTS: dict[str, tuple[str, ...]] = {
 
 PREFETCH_MODES: tuple[str, ...] = ("none", "nta", "l2")
 """How tiles of several rows may prefetch weights, in the order of rows_gemm.c's PREFETCH_*:
-not at all (the hardware's prefetcher alone), 32 lines ahead into L1 as non-temporal, or 64
-lines ahead into L2. The fastest depends on the CPU and the row count: chosen by timing."""
+not at all (the hardware's prefetcher alone), 32 lines ahead into L1 as non-temporal, or 128
+lines ahead into L2 over a tile's panels together. The fastest depends on the CPU and the row
+count: chosen by timing."""
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64

@@ -32,14 +32,16 @@
 /* Software prefetch of the weights by tiles of several rows, set per tile row count
  * (`rows_gemm_set_prefetch`): PREFETCH_NONE (the hardware's prefetcher alone), PREFETCH_NTA (each
  * panel's line PF_NTA_LINES ahead, into L1 as non-temporal: each weight is read once) or
- * PREFETCH_L2 (PF_L2_LINES ahead, into L2). Distances are in 64-byte lines of float weights (q8
- * weights: the same distance in bytes). One row always streams with the hardware's prefetcher
- * alone (the fastest on every CPU measured); for several rows the fastest mode depends on the CPU
- * and the row count, so callers choose by timing. PREFETCH_DEFAULT until then. Results never
- * depend on it. */
+ * PREFETCH_L2 (PF_L2_LINES ahead over the tile's NB panels together, PF_L2_LINES / NB each, into
+ * L2: the lines in flight, not how far each stream runs ahead, set how well the products of
+ * several rows overlap the stream). Distances are in 64-byte lines of float weights (q8 weights:
+ * the same distance in bytes). One row always streams with the hardware's prefetcher alone (the
+ * fastest on every CPU measured); for several rows the fastest mode depends on the CPU and the
+ * row count, so callers choose by timing. PREFETCH_DEFAULT until then. Results never depend on
+ * it. */
 enum { PREFETCH_NONE, PREFETCH_NTA, PREFETCH_L2, PREFETCH_MODES };
 #define PF_NTA_LINES 32
-#define PF_L2_LINES 64
+#define PF_L2_LINES 128
 #define PREFETCH_DEFAULT PREFETCH_NTA
 /* Each output sums its products in blocks of this many k steps, then adds the blocks in k
  * order: rounding error grows with the block count and size, not with k (as blocked GEMMs). */
@@ -68,7 +70,7 @@ typedef void (*tile_fn)(const float *x, int64_t ldx, const void *w, const float 
 #define PF_STEPS(w) \
     (MR == 1 || prefetch == PREFETCH_NONE \
          ? 0 \
-         : (prefetch == PREFETCH_L2 ? PF_L2_LINES : PF_NTA_LINES) * \
+         : (prefetch == PREFETCH_L2 ? PF_L2_LINES / NB : PF_NTA_LINES) * \
                (int64_t)(sizeof(float) / sizeof(*(w))))
 #define PREFETCH_AT(a) \
     do { \
@@ -275,18 +277,19 @@ _Pragma("GCC unroll 16") \
 #define TILE_F32(MR, NB) TILE(tile, float, WLOAD_F32, 0, MR, NB)
 #define TILE_Q8(MR, NB) TILE(tile_q8, int8_t, WLOAD_Q8, 1, MR, NB)
 
-/* Panels per tile for each row count: as many accumulators as the registers hold. TILES lists
+/* Panels per tile for each row count: at most as many accumulators as the registers hold; 7 and
+ * 8 rows take two panels, which stream faster than three (docs/benchmarks.md). TILES lists
  * the tiles (MR, NB) to generate; TILE_NB and the tables TILE_MAIN (MR rows, TILE_NB[MR]
  * panels) and TILE_ONE (MR rows, one panel: a run's remainder) are indexed by the weight
  * format (FMT_F32, FMT_Q8), then MR. */
 #if defined(ROWS_AVX512)
 #define TILES(T)                                                                                   \
-    T(1, 4) T(2, 8) T(3, 6) T(4, 4) T(5, 4) T(6, 4) T(7, 3) T(8, 3) T(9, 2) T(10, 2) T(11, 2)      \
+    T(1, 4) T(2, 8) T(3, 6) T(4, 4) T(5, 4) T(6, 4) T(7, 2) T(8, 2) T(9, 2) T(10, 2) T(11, 2)      \
     T(12, 2) T(13, 2) T(14, 2) T(15, 1) T(16, 1) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1)   \
     T(7, 1) T(8, 1) T(9, 1) T(10, 1) T(11, 1) T(12, 1) T(13, 1) T(14, 1)
-static const int TILE_NB[MR_MAX + 1] = {0, 4, 8, 6, 4, 4, 4, 3, 3, 2, 2, 2, 2, 2, 2, 1, 1};
+static const int TILE_NB[MR_MAX + 1] = {0, 4, 8, 6, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1};
 #define MAIN_TABLE(P)                                                                              \
-    {0, P##_1_4, P##_2_8, P##_3_6, P##_4_4, P##_5_4, P##_6_4, P##_7_3, P##_8_3, P##_9_2,           \
+    {0, P##_1_4, P##_2_8, P##_3_6, P##_4_4, P##_5_4, P##_6_4, P##_7_2, P##_8_2, P##_9_2,           \
      P##_10_2, P##_11_2, P##_12_2, P##_13_2, P##_14_2, P##_15_1, P##_16_1}
 #define ONE_TABLE(P)                                                                               \
     {0, P##_1_1, P##_2_1, P##_3_1, P##_4_1, P##_5_1, P##_6_1, P##_7_1, P##_8_1, P##_9_1,           \
