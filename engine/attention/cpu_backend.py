@@ -2,14 +2,14 @@
 gathered copy of the context), with causal or tree masks, one call per layer.
 
 Steps with much attention work (long prompt chunks) go to SDPA through `TorchAttentionBackend`:
-its matrix-product kernels beat the C kernel's dot-product loops there. Large steps are split
-across threads by sequence; ctypes releases the GIL around each call.
+its matrix-product kernels beat the C kernel's dot-product loops there. The C kernel runs on the
+threads of the "rows" matrix kernel's pool (`engine/kernels/unit_pool.h`), in units of one key
+head and a few query rows of one sequence, so that one sequence's attention uses every core.
 """
 
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +17,10 @@ import torch
 from engine.attention.backend import AttentionMetadata, KVCache
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
+from engine.kernels.rows import load_rows_gemm
 
 FUSED_MAX_WORK = 1 << 16
 """Steps of at most this many (query, key) pairs use the C kernel; larger ones use SDPA."""
-
-PARALLEL_MIN_WORK = 1 << 12
-"""Steps of at least this many (query, key) pairs split their sequences over two threads."""
 
 
 @dataclass(frozen=True)
@@ -31,21 +29,18 @@ class _Fused:
 
     tensors: tuple[torch.Tensor, ...]  # keeps the pointed-to buffers alive
     step_args: tuple[int, ...]  # slot_mapping .. masks of the C signature, the same every layer
-    seq_splits: tuple[tuple[int, int], ...]  # [begin, end) of sequences per call
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu-fused"
 
-    def __init__(
-        self, kernels: CpuKernels, block_size: int = 16, num_threads: int | None = None
-    ) -> None:
-        """`num_threads` (default: torch's intra-op thread count) bounds how many threads one
-        large step's attention uses."""
+    def __init__(self, kernels: CpuKernels, block_size: int = 16, parallel: bool = True) -> None:
+        """With `parallel` (and the rows library built), attention runs on the pool's threads
+        (as many as `RowsGemm.set_threads` set), else on the calling thread."""
         super().__init__(block_size)
         self.kernels = kernels
-        self.num_threads = num_threads or torch.get_num_threads()
-        self._pool = ThreadPoolExecutor(self.num_threads - 1) if self.num_threads > 1 else None
+        rows = load_rows_gemm() if parallel else None
+        self.pool_run_address = rows.pool_run_address if rows is not None else 0
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         query_lens, seq_lens = metadata.query_lens, metadata.seq_lens
@@ -79,23 +74,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 mask_offsets.data_ptr(),
                 mask_bytes.data_ptr(),
             ),
-            seq_splits=self._splits(works, total),
         )
-
-    def _splits(self, works: list[int], total: int) -> tuple[tuple[int, int], ...]:
-        """Contiguous sequence ranges of about equal work, one per thread for large steps."""
-        if self._pool is None or total < PARALLEL_MIN_WORK or len(works) < 2:
-            return ((0, len(works)),)
-        splits: list[tuple[int, int]] = []
-        begin, acc = 0, 0
-        share = total / self.num_threads
-        for i, w in enumerate(works):
-            acc += w
-            if acc >= share * (len(splits) + 1) and i + 1 < len(works):
-                splits.append((begin, i + 1))
-                begin = i + 1
-        splits.append((begin, len(works)))
-        return tuple(splits)
 
     def forward(
         self,
@@ -115,17 +94,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         head = (q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0))
         cache = (key_cache.data_ptr(), value_cache.data_ptr())
         tail = (num_heads, num_kv_heads, head_dim, 1.0 / math.sqrt(head_dim))
-        run = self.kernels.store_and_attend
-        if len(p.seq_splits) == 1:
-            run(*head, *cache, *p.step_args, out.data_ptr(), 0, len(metadata.query_lens), *tail)
-            return out
-        assert self._pool is not None
-        # K/V of every sequence are stored by its own call; calls touch disjoint slots.
-        calls = [
-            (*head, *cache, *p.step_args, out.data_ptr(), b, e, *tail) for b, e in p.seq_splits
-        ]
-        pending = [self._pool.submit(run, *args) for args in calls[1:]]
-        run(*calls[0])
-        for f in pending:
-            f.result()
+        self.kernels.store_and_attend(
+            *head, *cache, *p.step_args, out.data_ptr(), len(metadata.query_lens), *tail,
+            self.pool_run_address,
+        )  # fmt: skip
         return out

@@ -145,36 +145,87 @@ static inline __attribute__((always_inline)) void attend_rows_grouped(
     }
 }
 
-/* Sequence s of store_and_attend: every new token, every head. */
-static inline __attribute__((always_inline)) void attend_sequence(
-    const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
-    const int32_t *table, int64_t block_size, int64_t q_first, int64_t q_len, int64_t seq_len,
-    const uint8_t *mask, float *out, int64_t num_heads, int64_t num_kv_heads, float scale,
-    int64_t *key_offsets, float *scores, const int64_t head_dim) {
-    const int64_t group = num_heads / num_kv_heads, num_rows = q_len * group;
-    for (int64_t j = 0; j < seq_len; j++) {
-        const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
-        key_offsets[j] = slot * num_kv_heads * head_dim;
+/* Runs units [u0, u1) of a call's work: unit_fn of unit_pool.h (engine/kernels/unit_pool.h,
+ * linked into the rows_gemm library), passed by address. */
+typedef void (*unit_fn)(const void *ctx, int64_t u0, int64_t u1);
+typedef void (*pool_run_fn)(unit_fn fn, const void *ctx, int64_t num_units, int64_t max_take);
+
+/* One store_and_attend call's attention work: for each sequence s, num_kv_heads x blocks(s)
+ * units, blocks(s) = ceil(q_len(s) * group / ROW_BLOCK), numbered from unit_start[s], a key
+ * head's row blocks together (they read the same keys). */
+typedef struct {
+    const float *q, *key_cache, *value_cache;
+    int64_t q_stride, block_size, max_blocks, max_len;
+    const int32_t *block_tables;
+    const int64_t *query_start, *seq_lens, *mask_offsets, *unit_start;
+    const uint8_t *masks;
+    float *out;
+    int64_t num_heads, num_kv_heads, head_dim;
+    float scale;
+} attend_job_t;
+
+/* Units [u0, u1) of an attend_job_t, on this thread's scratch (grown as needed and kept: a pool
+ * thread serves every step). */
+static void attend_units(const void *ctx, int64_t u0, int64_t u1) {
+    const attend_job_t *job = ctx;
+    static __thread int64_t *key_offsets;
+    static __thread float *scores;
+    static __thread int64_t capacity;
+    if (job->max_len > capacity) {
+        free(key_offsets);
+        free(scores);
+        key_offsets = malloc((size_t)job->max_len * sizeof(int64_t));
+        scores = malloc((size_t)(ROW_BLOCK * job->max_len) * sizeof(float));
+        if (key_offsets == NULL || scores == NULL) abort();
+        capacity = job->max_len;
     }
-    for (int64_t h = 0; h < num_kv_heads; h++) {
-        for (int64_t r0 = 0; r0 < num_rows; r0 += ROW_BLOCK) {
-            const int64_t rows = num_rows - r0 < ROW_BLOCK ? num_rows - r0 : ROW_BLOCK;
-#define GROUPED(n)                                                                             \
-    attend_rows_grouped(q, q_stride, key_cache + h * head_dim, value_cache + h * head_dim,     \
-                        key_offsets, q_first, q_len, seq_len, mask, out, num_heads, h, group,  \
-                        scale, scores, r0, n, head_dim)
-            /* A constant row count keeps the rows' dot products and accumulators apart. */
-            if (rows == 1) GROUPED(1);
-            else if (rows == 2) GROUPED(2);
-            else if (rows == 3) GROUPED(3);
-            else GROUPED(4);
-#undef GROUPED
+    const int64_t group = job->num_heads / job->num_kv_heads, head_dim = job->head_dim;
+    int64_t s = 0, offsets_of = -1; /* the unit's sequence; whose key_offsets are filled */
+    for (int64_t u = u0; u < u1; u++) {
+        while (job->unit_start[s + 1] <= u) s++;
+        const int64_t q_first = job->query_start[s], q_len = job->query_start[s + 1] - q_first;
+        const int64_t seq_len = job->seq_lens[s], num_rows = q_len * group;
+        if (offsets_of != s) {
+            const int32_t *table = job->block_tables + s * job->max_blocks;
+            const int64_t bs = job->block_size;
+            for (int64_t j = 0; j < seq_len; j++) {
+                const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
+                key_offsets[j] = slot * job->num_kv_heads * head_dim;
+            }
+            offsets_of = s;
         }
+        const int64_t blocks = (num_rows + ROW_BLOCK - 1) / ROW_BLOCK;
+        const int64_t h = (u - job->unit_start[s]) / blocks;
+        const int64_t r0 = (u - job->unit_start[s]) % blocks * ROW_BLOCK;
+        const int64_t rows = num_rows - r0 < ROW_BLOCK ? num_rows - r0 : ROW_BLOCK;
+        const uint8_t *mask = job->mask_offsets[s] < 0 ? NULL : job->masks + job->mask_offsets[s];
+#define GROUPED(n, dim)                                                                        \
+    attend_rows_grouped(job->q, job->q_stride, job->key_cache + h * head_dim,                  \
+                        job->value_cache + h * head_dim, key_offsets, q_first, q_len, seq_len, \
+                        mask, job->out, job->num_heads, h, group, job->scale, scores, r0, n,   \
+                        dim)
+/* Constant row counts keep the rows' dot products and accumulators apart; constant head sizes
+ * let the compiler unroll the dot products and keep a row's output in registers. */
+#define GROUPED_DIM(dim)              \
+    do {                              \
+        if (rows == 1) GROUPED(1, dim); \
+        else if (rows == 2) GROUPED(2, dim); \
+        else if (rows == 3) GROUPED(3, dim); \
+        else GROUPED(4, dim);         \
+    } while (0)
+        if (head_dim == 64) GROUPED_DIM(64);
+        else if (head_dim == 128) GROUPED_DIM(128);
+        else GROUPED_DIM(head_dim);
+#undef GROUPED_DIM
+#undef GROUPED
     }
 }
 
-/* Writes each new token's K and V to its cache slot, then attends, for sequences
- * [seq_begin, seq_end) of a flat varlen batch.
+/* Writes each new token's K and V to its cache slot, then attends, for the num_seqs sequences
+ * of a flat varlen batch: on the calling thread alone, or, where
+ * pool_run_address is the address of unit_pool_run (rows_gemm's pool), on the pool's threads,
+ * in units of one key head and ROW_BLOCK query rows of one sequence (results do not depend on
+ * the threads).
  *
  * q:  [N, num_heads, head_dim] rows with stride q_stride (the heads themselves contiguous)
  * k, v: [N, num_kv_heads, head_dim] rows with stride kv_stride
@@ -194,35 +245,33 @@ void store_and_attend(const float *q, int64_t q_stride, const float *k, const fl
                       const int64_t *slot_mapping, const int32_t *block_tables,
                       int64_t max_blocks, int64_t block_size, const int64_t *query_start,
                       const int64_t *seq_lens, const int64_t *mask_offsets,
-                      const uint8_t *masks, float *out, int64_t seq_begin, int64_t seq_end,
-                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {
-    const int64_t kv_row = num_kv_heads * head_dim;
-    for (int64_t t = query_start[seq_begin]; t < query_start[seq_end]; t++) {
+                      const uint8_t *masks, float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                      int64_t pool_run_address) {
+    const int64_t kv_row = num_kv_heads * head_dim, group = num_heads / num_kv_heads;
+    for (int64_t t = 0; t < query_start[num_seqs]; t++) {
         memcpy(key_cache + slot_mapping[t] * kv_row, k + t * kv_stride, kv_row * sizeof(float));
         memcpy(value_cache + slot_mapping[t] * kv_row, v + t * kv_stride, kv_row * sizeof(float));
     }
+    int64_t stack_starts[65];
+    int64_t *unit_start =
+        num_seqs < 65 ? stack_starts : malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    if (unit_start == NULL) abort();
     int64_t max_len = 1;
-    for (int64_t s = seq_begin; s < seq_end; s++) {
-        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    unit_start[0] = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        const int64_t q_len = query_start[i + 1] - query_start[i];
+        max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+        unit_start[i + 1] = unit_start[i] + num_kv_heads * ((q_len * group + ROW_BLOCK - 1) / ROW_BLOCK);
     }
-    int64_t *key_offsets = malloc((size_t)max_len * sizeof(int64_t));
-    float *scores = malloc((size_t)(ROW_BLOCK * max_len) * sizeof(float));
-    if (key_offsets == NULL || scores == NULL) abort();
-    for (int64_t s = seq_begin; s < seq_end; s++) {
-        const int64_t q_first = query_start[s], q_len = query_start[s + 1] - q_first;
-        const int32_t *table = block_tables + s * max_blocks;
-        const uint8_t *mask = mask_offsets[s] < 0 ? NULL : masks + mask_offsets[s];
-#define ATTEND_SEQUENCE(dim)                                                                   \
-    attend_sequence(q, q_stride, key_cache, value_cache, table, block_size, q_first, q_len,    \
-                    seq_lens[s], mask, out, num_heads, num_kv_heads, scale, key_offsets,       \
-                    scores, dim)
-        /* Constant head sizes let the compiler unroll the dot products and keep a row's
-         * output accumulator in registers. */
-        if (head_dim == 64) ATTEND_SEQUENCE(64);
-        else if (head_dim == 128) ATTEND_SEQUENCE(128);
-        else ATTEND_SEQUENCE(head_dim);
-#undef ATTEND_SEQUENCE
+    const attend_job_t job = {q, key_cache, value_cache, q_stride, block_size, max_blocks,
+                              max_len, block_tables, query_start, seq_lens, mask_offsets,
+                              unit_start, masks, out, num_heads, num_kv_heads,
+                              head_dim, scale};
+    const int64_t num_units = unit_start[num_seqs];
+    if (pool_run_address != 0) {
+        ((pool_run_fn)(intptr_t)pool_run_address)(attend_units, &job, num_units, num_units);
+    } else {
+        attend_units(&job, 0, num_units);
     }
-    free(key_offsets);
-    free(scores);
+    if (unit_start != stack_starts) free(unit_start);
 }

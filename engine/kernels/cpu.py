@@ -56,7 +56,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "gather_columns": ([_P, _I, _I, _I, _P, _I, _P], ctypes.c_int),
     "rope": ([_P, _I, _I, _I, _P, _P, _I], None),
     "store_and_attend": (
-        [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P] + [_I] * 5 + [_F],
+        [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P] + [_I] * 4 + [_F, _I],
         None,
     ),
     "speculator_stage": ([_P, _I, _P, _I, _I, _P, _F, _P, _P, _F, _P, _I], None),

@@ -81,8 +81,9 @@ class RowsGemm:
         self._run_inplace = lib.rows_gemm_inplace
         self._run_q8 = lib.rows_gemm_q8
         self.isa: str = lib.rows_gemm_isa().decode()
-        # for C callers (drafting.c's speculator_draft)
+        # for C callers: drafting.c's speculator_draft, attention.c's store_and_attend
         self.q8_address: int = ctypes.cast(lib.rows_gemm_q8, ctypes.c_void_p).value or 0
+        self.pool_run_address: int = ctypes.cast(lib.unit_pool_run, ctypes.c_void_p).value or 0
 
     @property
     def threads(self) -> int:

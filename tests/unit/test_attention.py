@@ -11,6 +11,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, cpu_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels.cpu import load_cpu_kernels
+from engine.kernels.rows import load_rows_gemm
 
 H, KVH, D = 4, 2, 8
 HEAD_SHAPES = [(4, 2, 8), (9, 3, 64), (8, 8, 128), (6, 2, 40)]
@@ -18,15 +19,26 @@ HEAD_SHAPES = [(4, 2, 8), (9, 3, 64), (8, 8, 128), (6, 2, 40)]
 multiples of 16 and scalar tails."""
 
 
-def _fused(block_size: int) -> AttentionBackend:
+def _fused(block_size: int, parallel: bool = False) -> AttentionBackend:
     kernels = load_cpu_kernels()
     assert kernels is not None, "the C kernels must build on a machine with a C compiler"
-    return CpuAttentionBackend(kernels, block_size)
+    return CpuAttentionBackend(kernels, block_size, parallel)
+
+
+def _fused_threads(block_size: int) -> AttentionBackend:
+    """The fused backend on the rows kernels' pool of two threads."""
+    rows = load_rows_gemm()
+    assert rows is not None, "the rows library must build on a machine with a C compiler"
+    rows.set_threads(2)
+    backend = _fused(block_size, parallel=True)
+    assert isinstance(backend, CpuAttentionBackend) and backend.pool_run_address != 0
+    return backend
 
 
 BACKENDS: dict[str, Callable[[int], AttentionBackend]] = {
     "torch": TorchAttentionBackend,
     "fused": _fused,
+    "fused-threads": _fused_threads,
 }
 
 
@@ -34,13 +46,13 @@ BACKENDS: dict[str, Callable[[int], AttentionBackend]] = {
 def make_backend(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> Callable[[int], AttentionBackend]:
-    """Each backend, and the fused one with its sequences split over two threads, or with its
-    work threshold at 0 so that it hands the step to SDPA."""
-    if request.param == "fused-threads":
-        monkeypatch.setattr(cpu_backend, "PARALLEL_MIN_WORK", 1)
+    """Each backend: the fused one on the calling thread, on two pool threads (units of key
+    heads and query rows claimed by both), or with its work threshold at 0 so that it hands the
+    step to SDPA."""
     if request.param == "fused-over-sdpa":
         monkeypatch.setattr(cpu_backend, "FUSED_MAX_WORK", 0)
-    return BACKENDS[request.param.split("-")[0]]
+        return _fused
+    return BACKENDS[request.param]
 
 
 def dense_attention(
@@ -162,3 +174,47 @@ def test_single_decode_fast_path(make_backend: Callable[[int], AttentionBackend]
     out = backend.forward(q, k[9:], v[9:], cache, meta)
     expected = dense_attention(q, k, v, torch.ones(1, 10, dtype=torch.bool))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_pool_threads_match_the_calling_thread() -> None:
+    """Units claimed by two pool threads give the calling thread's results bit for bit, over
+    sequences of growing lengths (each thread's scratch grows with them) and tree masks."""
+    rng = random.Random(7)
+    H, KVH, D, block_size = 9, 3, 64, 16
+    alone, pooled = _fused(block_size), _fused_threads(block_size)
+    for ctx_lens in ([3, 40], [1, 300, 17], [700]):
+        query_lens = [rng.randrange(1, 9) for _ in ctx_lens]
+        tables, slots, next_block = [], [], 0
+        for ctx, n in zip(ctx_lens, query_lens, strict=True):
+            num_blocks = -(-(ctx + n) // block_size)
+            tables.append(list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
+            slots += [tables[-1][p // block_size] * block_size + p % block_size
+                      for p in range(ctx, ctx + n)]  # fmt: skip
+        width = max(len(t) for t in tables)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            query_lens=query_lens,
+            seq_lens=[c + n for c, n in zip(ctx_lens, query_lens, strict=True)],
+            block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32
+            ),
+            max_position=max(c + n for c, n in zip(ctx_lens, query_lens, strict=True)),
+            tree_masks=[random_tree_mask(n, rng) if n > 1 else None for n in query_lens],
+        )
+        cache = (
+            torch.randn(next_block, block_size, KVH, D),
+            torch.randn(next_block, block_size, KVH, D),
+        )
+        num_tokens = sum(query_lens)
+        q, k, v = (
+            torch.randn(num_tokens, H, D),
+            torch.randn(num_tokens, KVH, D),
+            torch.randn(num_tokens, KVH, D),
+        )
+        outs = []
+        for backend in (alone, pooled):
+            layer_cache = (cache[0].clone(), cache[1].clone())
+            backend.prepare(meta)
+            outs.append(backend.forward(q, k, v, layer_cache, meta))
+        assert torch.equal(outs[0], outs[1])
