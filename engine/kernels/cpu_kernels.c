@@ -46,7 +46,7 @@ void silu_and_mul(const float *gate_up, float *out, int64_t n, int64_t d) {
         const float *gate = gate_up + t * 2 * d, *up = gate + d;
         float *o = out + t * d;
 #pragma omp simd
-        for (int64_t i = 0; i < d; i++) o[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
+        for (int64_t i = 0; i < d; i++) o[i] = silu_mul(gate[i], up[i]);
     }
 }
 

@@ -1,5 +1,6 @@
 /*
- * Inline float32 helpers shared by the CPU kernels (cpu_kernels.c, attention.c, drafting.c):
+ * Inline float32 helpers shared by the CPU kernels (cpu_kernels.c, attention.c, drafting.c,
+ * rows_gemm.c's gated products):
  * written so that loops over them vectorise with `-fopenmp-simd` alone (no fast-math).
  */
 #ifndef SPECSERVE_CPU_MATH_H
@@ -35,6 +36,9 @@ static inline float exp_poly(float x) {
     scale.i = ((int32_t)n + 127) << 23;
     return p * scale.f;
 }
+
+/* SiLU-and-multiply of one gated activation: silu(gate) * up. */
+static inline float silu_mul(float gate, float up) { return gate / (1.0f + exp_poly(-gate)) * up; }
 
 /* Without fast-math, compilers sum a vectorised reduction's lanes one after another (16
  * dependent scalar adds for AVX-512); the intrinsics below add them as a tree instead. */

@@ -13,7 +13,9 @@ view.
 The "rows" kernel (`engine/kernels/rows_gemm.c`: 1 to 16 rows a pass, up to `ROWS_MAX` rows; oneDNN
 above) reads a copy of W^T packed into 16-column panels, made when the kernel is built for a
 layer (at its first call for the default plan's, which is built before the weights load) and
-made again at the next call after the layer's ``weights_version`` changes. The copy exists only
+made again at the next call after the layer's ``weights_version`` changes. For a gated layer
+whose halves are whole panels it packs (gate, up) pairs of panels and is a `GatedKernel`: the
+SiLU-and-multiply runs on the products as the tiles finish them. The copy exists only
 for layers where such a kernel has run or been built by selection and is still referenced: it
 doubles those layers' weight memory, the price of reading each weight once per call in the
 kernel's streaming order.
@@ -39,6 +41,19 @@ import torch.nn.functional as F
 KernelFn = Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class GatedKernel:
+    """A kernel of a gated layer (`MatmulLayer.gated`) that can also fuse the activation into
+    the product: ``silu_and_mul(x)`` is silu(gate) * up [M, out / 2], or None for an M it
+    does not fuse (the caller then applies its own to the product)."""
+
+    product: KernelFn
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor | None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
 class MatmulLayer(Protocol):
     """What a kernel builder reads of a layer (`Linear` provides it)."""
 
@@ -49,6 +64,7 @@ class MatmulLayer(Protocol):
     storage: torch.Tensor
     bias: torch.Tensor | None  # [out]
     weights_version: int  # changes whenever the weights or the bias are written
+    gated: bool  # the output features are a gated activation's gate, then its up projection
 
     def weight_view(self) -> torch.Tensor:
         """W as an [out, in] view of the storage."""
@@ -206,6 +222,7 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
     if lib is None:
         raise RuntimeError("rows_gemm.c could not be built")
     n, matmul = layer.out_features, lib.matmul
+    pairs = layer.gated and n % (2 * lib.PANEL) == 0
     onednn = layer.dtype == torch.float32 and torch.backends.mkldnn.is_available()
     large = (_build_onednn if onednn else _build_torch)(layer, shared)
     # [packed W^T [ceil(out/16), in, 16], padded bias [ceil(out/16) * 16] or None, weights_version]
@@ -216,8 +233,9 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
         lib.set_threads(shared["rows_threads"])
 
     def pack() -> None:
-        state[0] = lib.pack(layer.storage)
-        state[1] = None if layer.bias is None else lib.pad_bias(layer.bias)
+        state[0] = (lib.pack_pairs if pairs else lib.pack)(layer.storage)
+        bias = layer.bias
+        state[1] = None if bias is None else (lib.pad_bias_pairs if pairs else lib.pad_bias)(bias)
         state[2] = layer.weights_version
 
     if not lazy:
@@ -228,9 +246,18 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
             return large(x)
         if state[2] != layer.weights_version:
             pack()
+        if pairs:
+            return lib.matmul_pairs(x, state[0], n, state[1])  # [M, out]
         return matmul(x, state[0], n, state[1])  # [M, out]
 
-    return run
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+        if x.shape[0] > ROWS_MAX:
+            return None
+        if state[2] != layer.weights_version:
+            pack()
+        return lib.matmul_pairs(x, state[0], n, state[1], silu=True)  # [M, out / 2]
+
+    return GatedKernel(run, silu_and_mul) if pairs else run
 
 
 def _build_rows(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:

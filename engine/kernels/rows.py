@@ -42,6 +42,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rows_gemm": ([_P, _I, _P, _P, _P, _I, _I, _I], None),
     "rows_gemm_inplace": ([_P, _I, _P, _I, _P, _P, _I, _I, _I], ctypes.c_int),
     "rows_gemm_pack": ([_P, _I, _I, _I, _P], None),
+    "rows_gemm_pairs": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
+    "rows_gemm_pack_pairs": ([_P, _I, _I, _I, _P], ctypes.c_int),
     "rows_gemm_q8": ([_P, _I, _P, _P, _P, _P, _I, _I, _I], None),
     "rows_gemm_pack_q8": ([_P, _I, _I, _I, _P, _P], None),
     "rows_gemm_packed_size": ([_I, _I], _I),
@@ -67,7 +69,10 @@ class RowsGemm:
     the output features are a multiple of 16 (no copy, but slower: each step of a panel is a
     row of W^T away from the last). ``pack_q8`` / ``matmul_q8`` are the same on int8 weights
     with a float32 scale per output feature (a quarter of the weight bytes to stream; for
-    products that may be approximate, such as a speculator's vocabulary heads). ``isa`` names
+    products that may be approximate, such as a speculator's vocabulary heads).
+    ``pack_pairs`` / ``matmul_pairs`` serve a gated layer (its output features the gate, then
+    the up projection, each a multiple of 16): panels packed in (gate, up) pairs, whose product
+    is written in W^T's column order or, fused, as silu(gate) * up. ``isa`` names
     the compiled path: "avx512", "avx2" or "scalar". Calls from several Python threads are
     serialised inside the library.
     """
@@ -143,6 +148,42 @@ class RowsGemm:
         packed = huge_page_zeros((panels, k, self.PANEL), torch.float32)  # [P, in, 16]
         self.lib.rows_gemm_pack(wt.data_ptr(), wt.stride(0), k, n, packed.data_ptr())
         return packed
+
+    def pack_pairs(self, wt: torch.Tensor) -> torch.Tensor:
+        """W^T [in, 2 * d] float32 of a gated layer (gate columns, then up; d a multiple of 16)
+        -> [2 * d / 16, in, 16] contiguous: panel 2q from gate columns [16q, 16q + 16), panel
+        2q + 1 from the up columns beside them. ValueError if d is not a multiple of 16."""
+        k, n = wt.shape
+        packed = huge_page_zeros((n // self.PANEL, k, self.PANEL), torch.float32)  # [P, in, 16]
+        if self.lib.rows_gemm_pack_pairs(wt.data_ptr(), wt.stride(0), k, n, packed.data_ptr()):
+            raise ValueError(f"rows_gemm_pack_pairs: out features {n} not a multiple of 32")
+        return packed
+
+    def pad_bias_pairs(self, bias: torch.Tensor) -> torch.Tensor:
+        """A gated layer's bias [2 * d] in the order of ``pack_pairs``' panels."""
+        return bias.view(2, -1, self.PANEL).transpose(0, 1).contiguous().view(-1)
+
+    def matmul_pairs(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None = None,
+        silu: bool = False,
+    ) -> torch.Tensor:
+        """x [M, in] float32 (M >= 1) @ W^T of a gated layer packed by ``pack_pairs`` (n = out
+        features; ``bias`` from ``pad_bias_pairs``): y [M, n] as ``matmul`` on W^T, or with
+        ``silu`` silu(gate) * up [M, n / 2], the same sums through `cpu_math.h`'s
+        `silu_mul`."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        y = torch.empty((m, n // 2 if silu else n), dtype=torch.float32)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        args = (x.data_ptr(), x.stride(0), packed.data_ptr(), bias_ptr, y.data_ptr(), m, k, n)
+        if self.lib.rows_gemm_pairs(*args, int(silu)):
+            raise ValueError(f"rows_gemm_pairs: out features {n} not a multiple of 32")
+        return y
 
     def pack_q8(self, wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """W^T [in, out] float32 (last dim contiguous) -> (packed int8 [ceil(out/16), in, 16]

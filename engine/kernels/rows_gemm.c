@@ -16,6 +16,13 @@
  * 0). `rows_gemm_q8` computes y = x @ (q * scale)^T (+ bias) with the float path's tiles,
  * threads, row groups and k order.
  *
+ * Gated layers (an MLP's gate and up projections in one product: W^T's columns [0, n/2) are the
+ * gate, [n/2, n) the up projection) may be packed in pairs of panels (`rows_gemm_pack_pairs`):
+ * panel 2q holds gate columns [16q, 16q + 16) and panel 2q + 1 the up columns beside them, so
+ * that a unit of whole pairs sees both halves of its columns. `rows_gemm_pairs` then writes y
+ * in W^T's column order or, fused, silu(gate) * up [m, n/2] straight from the tiles' sums, in
+ * the same k order as the plain product.
+ *
  * Threads: the panels are cut into units of whole tiles that the threads of unit_pool.h claim in
  * runs of up to about `chunk_bytes` of weights.
  */
@@ -24,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
 #include "rows_tiles.h"
 #include "unit_pool.h"
 
@@ -41,23 +49,78 @@ typedef struct {
     float *y;
     int64_t m, k, n, ldx;
     int64_t group;  /* rows per pass over the weights, <= MR_MAX */
+    int64_t pairs;  /* PAIRS_*: how y is written from panels packed in pairs */
 } job_t;
 
-/* Units hold whole tiles: TILE_NB[group] panels (the last unit may be short), so that a run of
- * units goes through its first group's main tile throughout and no remainder of single panels. */
-static inline int64_t tile_units(int64_t npanels, int64_t group) {
-    return (npanels + TILE_NB[group] - 1) / TILE_NB[group];
+/* How a product on panels packed in pairs writes y: no pairs (y as the panels), y [m, n] in W^T's
+ * column order, or y [m, n/2] = silu(gate) * up. */
+enum { PAIRS_NONE, PAIRS_HALVES, PAIRS_SILU };
+
+/* Panels per unit: whole tiles, TILE_NB[group] (the last unit may be short), so that a run of
+ * units goes through its first group's main tile throughout and no remainder of single panels;
+ * in pairs, whole tiles of whole pairs. Every TILE_NB is at most PAIR_UNIT_MAX, and even or
+ * one. */
+#define PAIR_UNIT_MAX 8
+static inline int64_t unit_panels(int64_t group, int64_t pairs) {
+    const int64_t nb = TILE_NB[group];
+    return pairs != PAIRS_NONE && nb % 2 ? 2 * nb : nb;
 }
 
 /* Each tile row count's PREFETCH_* mode (atomic; set by rows_gemm_set_prefetch). */
 static int64_t tile_prefetch[MR_MAX + 1] = {[2 ... MR_MAX] = PREFETCH_DEFAULT};
 
+/* Panels [p0, p1) (whole pairs, at most PAIR_UNIT_MAX) of a product in pairs, a row group at a
+ * time: the tiles' sums into a buffer of the unit's own, then each pair's columns into y. */
+static void run_pairs(const job_t *job, int64_t p0, int64_t p1) {
+    float sums[MR_MAX * PAIR_UNIT_MAX * PANEL]; /* [group rows][p1 - p0 panels] */
+    const int64_t ld = (p1 - p0) * PANEL, half = job->n / 2, k = job->k;
+    const int64_t panel_bytes = job->ps * FMT_BYTES[job->fmt];
+    for (int64_t r = 0; r < job->m; r += job->group) {
+        const int mr = (int)(job->m - r < job->group ? job->m - r : job->group);
+        const int nb = TILE_NB[mr];
+        const int64_t prefetch = __atomic_load_n(&tile_prefetch[mr], __ATOMIC_RELAXED);
+        const float *x = job->x + r * job->ldx;
+        int64_t p = p0;
+        for (; p + nb <= p1; p += nb) {
+            TILE_MAIN[job->fmt][mr](x, job->ldx, (const char *)job->w + p * panel_bytes, 0, k,
+                                    job->ps, job->wk, job->bias ? job->bias + p * PANEL : 0,
+                                    sums + (p - p0) * PANEL, ld, nb * PANEL, prefetch);
+        }
+        for (; p < p1; p++) {
+            TILE_ONE[job->fmt][mr](x, job->ldx, (const char *)job->w + p * panel_bytes, 0, k,
+                                   job->ps, job->wk, job->bias ? job->bias + p * PANEL : 0,
+                                   sums + (p - p0) * PANEL, ld, PANEL, prefetch);
+        }
+        for (int i = 0; i < mr; i++) {
+            for (int64_t q = p0 / 2; q < p1 / 2; q++) {
+                const float *gate = sums + i * ld + (2 * q - p0) * PANEL, *up = gate + PANEL;
+                if (job->pairs == PAIRS_SILU) {
+                    float *h = job->y + (r + i) * half + q * PANEL;
+#pragma omp simd
+                    for (int c = 0; c < PANEL; c++) h[c] = silu_mul(gate[c], up[c]);
+                } else {
+                    float *row = job->y + (r + i) * job->n + q * PANEL;
+                    memcpy(row, gate, PANEL * sizeof(float));
+                    memcpy(row + half, up, PANEL * sizeof(float));
+                }
+            }
+        }
+    }
+}
+
 /* Units [u0, u1)'s panels for all rows, a row group at a time (later groups re-read the units'
  * weights from cache). */
 static void run_units(const void *ctx, int64_t u0, int64_t u1) {
     const job_t *job = ctx;
+    if (job->pairs != PAIRS_NONE) {
+        const int64_t unit = unit_panels(job->group, job->pairs), npanels = job->n / PANEL;
+        for (int64_t u = u0; u < u1; u++) {
+            run_pairs(job, u * unit, (u + 1) * unit < npanels ? (u + 1) * unit : npanels);
+        }
+        return;
+    }
     const int64_t npanels = (job->n + PANEL - 1) / PANEL;
-    const int64_t unit = TILE_NB[job->group];
+    const int64_t unit = unit_panels(job->group, PAIRS_NONE);
     const int64_t p0 = u0 * unit;
     const int64_t p1 = u1 * unit < npanels ? u1 * unit : npanels;
     const int64_t k = job->k;
@@ -107,11 +170,12 @@ int rows_gemm_max_rows(void) { return MR_MAX; }
 /* Elements of the packed layout of a [k, n] weight (floats; int8 values for q8). */
 int64_t rows_gemm_packed_size(int64_t k, int64_t n) { return (n + PANEL - 1) / PANEL * PANEL * k; }
 
-/* W^T [k, n] (row stride ldw) -> packed [ceil(n / 16)][k][16], the last panel zero-padded. */
-void rows_gemm_pack(const float *wt, int64_t ldw, int64_t k, int64_t n, float *packed) {
+/* W^T [k, n] (row stride ldw) -> packed [ceil(n / 16)][k][16], the last panel zero-padded; in
+ * pairs (n a multiple of 32), panel 2q from columns 16q and panel 2q + 1 from n/2 + 16q. */
+static void pack(const float *wt, int64_t ldw, int64_t k, int64_t n, float *packed, int pairs) {
     const int64_t npanels = (n + PANEL - 1) / PANEL;
     for (int64_t p = 0; p < npanels; p++) {
-        const int64_t c0 = p * PANEL;
+        const int64_t c0 = pairs ? (p % 2) * (n / 2) + (p / 2) * PANEL : p * PANEL;
         const int64_t cols = n - c0 < PANEL ? n - c0 : PANEL;
         float *dst = packed + p * k * PANEL;
         for (int64_t kk = 0; kk < k; kk++) {
@@ -119,6 +183,18 @@ void rows_gemm_pack(const float *wt, int64_t ldw, int64_t k, int64_t n, float *p
             if (cols < PANEL) memset(dst + kk * PANEL + cols, 0, (PANEL - cols) * sizeof(float));
         }
     }
+}
+
+void rows_gemm_pack(const float *wt, int64_t ldw, int64_t k, int64_t n, float *packed) {
+    pack(wt, ldw, k, n, packed, 0);
+}
+
+/* W^T [k, n] of a gated layer -> panels packed in pairs (see above). Returns 0, or -2 (nothing
+ * written) if n is not a multiple of 32. */
+int rows_gemm_pack_pairs(const float *wt, int64_t ldw, int64_t k, int64_t n, float *packed) {
+    if (n % (2 * PANEL) != 0) return -2;
+    pack(wt, ldw, k, n, packed, 1);
+    return 0;
 }
 
 /* W^T [k, n] (row stride ldw) -> int8 panels packed [ceil(n / 16)][k][16] (the last panel
@@ -193,15 +269,16 @@ void rows_gemm_set_chunk_bytes(int64_t bytes) {
  * (FMT_Q8: int8 with per-column `scales`). */
 static void run(const float *x, int64_t ldx, const void *w, const float *scales, int64_t fmt,
                 int64_t ps, int64_t wk, const float *bias, float *y, int64_t m, int64_t k,
-                int64_t n) {
+                int64_t n, int64_t pairs) {
     if (m <= 0 || n <= 0) return;
     const int64_t npanels = (n + PANEL - 1) / PANEL;
     /* Row groups of equal size, at most group_rows each. */
     const int64_t gmax = RELAXED(group_rows);
     const int64_t group = (m + (m + gmax - 1) / gmax - 1) / ((m + gmax - 1) / gmax);
-    const int64_t unit_bytes = TILE_NB[group] * k * PANEL * FMT_BYTES[fmt];
-    const job_t job = {x, w, scales, fmt, ps, wk, bias, y, m, k, n, ldx, group};
-    unit_pool_run(run_units, &job, tile_units(npanels, group),
+    const int64_t unit = unit_panels(group, pairs);
+    const int64_t unit_bytes = unit * k * PANEL * FMT_BYTES[fmt];
+    const job_t job = {x, w, scales, fmt, ps, wk, bias, y, m, k, n, ldx, group, pairs};
+    unit_pool_run(run_units, &job, (npanels + unit - 1) / unit,
                   RELAXED(chunk_bytes) / (unit_bytes > 0 ? unit_bytes : 1));
 }
 
@@ -209,7 +286,19 @@ static void run(const float *x, int64_t ldx, const void *w, const float *scales,
  * + bias, when not NULL, padded to ceil(n / 16) * 16 floats. */
 void rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
                int64_t m, int64_t k, int64_t n) {
-    run(x, ldx, packed, 0, FMT_F32, k * PANEL, PANEL, bias, y, m, k, n);
+    run(x, ldx, packed, 0, FMT_F32, k * PANEL, PANEL, bias, y, m, k, n, PAIRS_NONE);
+}
+
+/* The product of a gated layer packed by rows_gemm_pack_pairs (bias, when not NULL, padded and
+ * ordered as the panels): y [m, n] (contiguous) as rows_gemm on the unpacked W^T when silu is
+ * 0, else y [m, n/2] = silu(gate) * up. Returns 0, or -2 (y untouched) if n is not a multiple
+ * of 32. */
+int rows_gemm_pairs(const float *x, int64_t ldx, const float *packed, const float *bias,
+                    float *y, int64_t m, int64_t k, int64_t n, int64_t silu) {
+    if (n % (2 * PANEL) != 0) return -2;
+    run(x, ldx, packed, 0, FMT_F32, k * PANEL, PANEL, bias, y, m, k, n,
+        silu ? PAIRS_SILU : PAIRS_HALVES);
+    return 0;
 }
 
 /* The same on W^T [k, n] read in place (row stride ldw): n must be a multiple of 16, and bias,
@@ -217,7 +306,7 @@ void rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bi
 int rows_gemm_inplace(const float *x, int64_t ldx, const float *wt, int64_t ldw, const float *bias,
                       float *y, int64_t m, int64_t k, int64_t n) {
     if (n % PANEL != 0) return -2;
-    run(x, ldx, wt, 0, FMT_F32, PANEL, ldw, bias, y, m, k, n);
+    run(x, ldx, wt, 0, FMT_F32, PANEL, ldw, bias, y, m, k, n, PAIRS_NONE);
     return 0;
 }
 
@@ -225,5 +314,5 @@ int rows_gemm_inplace(const float *x, int64_t ldx, const float *wt, int64_t ldw,
  * rows_gemm_pack_q8; + bias as rows_gemm. */
 void rows_gemm_q8(const float *x, int64_t ldx, const int8_t *packed, const float *scales,
                   const float *bias, float *y, int64_t m, int64_t k, int64_t n) {
-    run(x, ldx, packed, scales, FMT_Q8, k * PANEL, PANEL, bias, y, m, k, n);
+    run(x, ldx, packed, scales, FMT_Q8, k * PANEL, PANEL, bias, y, m, k, n, PAIRS_NONE);
 }

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from engine.kernels.matmul import KernelFn, default_plan, torch_kernel
+from engine.kernels.matmul import GatedKernel, KernelFn, default_plan, torch_kernel
 from engine.kernels.pages import huge_page_zeros
 
 
@@ -43,10 +43,14 @@ class Linear(torch.nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        gated: bool = False,
     ) -> None:
+        """`gated`: the output features are a gated activation's gate, then its up projection,
+        of out_features / 2 each (`silu_and_mul`)."""
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.gated = gated
         self.dtype = dtype
         self.device = torch.device(device)
         # CPU: W^T [in, out] contiguous. Elsewhere: W [out, in] contiguous.
@@ -64,6 +68,8 @@ class Linear(torch.nn.Module):
         self.kernel_names: dict[int, str] = {}  # M bucket -> kernel name, for reports
         self._by_m: tuple[KernelFn, ...] = ()  # index M -> kernel, for M < len(_by_m)
         self._large: KernelFn = torch_kernel(self)  # for M >= len(_by_m)
+        self._fused_by_m: tuple[GatedKernel | None, ...] = ()  # as _by_m: kernels that fuse
+        self._fused_large: GatedKernel | None = None
         self.install(default_plan(self))
 
     def extra_repr(self) -> str:
@@ -123,6 +129,15 @@ class Linear(torch.nn.Module):
         by_m = self._by_m
         return (by_m[m] if m < len(by_m) else self._large)(x)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a gated layer, x [M, in_features] -> silu(gate) * up [M, out_features / 2],
+        fused into the product by the kernel serving M rows; None where that kernel does not
+        fuse it (the caller applies its own to `forward`)."""
+        m = x.shape[0]
+        fused = self._fused_by_m
+        kernel = fused[m] if m < len(fused) else self._fused_large
+        return None if kernel is None else kernel.silu_and_mul(x)
+
     def install(self, plan: Mapping[int, tuple[str, KernelFn]]) -> None:
         """Install kernels: ``plan[bucket] = (name, fn)`` serves every M up to ``bucket`` that no
         smaller bucket serves; M above the largest bucket uses the largest bucket's kernel.
@@ -133,4 +148,6 @@ class Linear(torch.nn.Module):
         by_m += [plan[next(b for b in buckets if b >= m)][1] for m in range(1, buckets[-1] + 1)]
         self._by_m = tuple(by_m)
         self._large = plan[buckets[-1]][1]
+        self._fused_by_m = tuple(fn if isinstance(fn, GatedKernel) else None for fn in by_m)
+        self._fused_large = self._large if isinstance(self._large, GatedKernel) else None
         self.kernel_names = {b: plan[b][0] for b in buckets}

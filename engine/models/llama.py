@@ -7,8 +7,9 @@ draft-tree tokens) and explicit attention metadata; it never sees requests or se
 columns are q, k, v by heads, and gate then up.
 
 With `kernels` (CPU float32), the glue between matrix products runs as fused C kernels
-(`engine/kernels/cpu.py`): residual add + RMSNorm, RoPE in place, SiLU-and-mul, and a tied
-embedding's gather of rows. Without them it runs the same maths as ATen ops.
+(`engine/kernels/cpu.py`): residual add + RMSNorm, RoPE in place, SiLU-and-mul (inside the
+gate/up product where its kernel fuses it, `Linear.silu_and_mul`), and a tied embedding's
+gather of rows. Without them it runs the same maths as ATen ops.
 
 The families' constants are folded into the weights as they load (`weight_targets`), so that
 their forward pass is Llama's: attention_multiplier * sqrt(head_dim) into q_proj (the backends
@@ -111,15 +112,18 @@ class MLP(nn.Module):
         self.shard = shard
         self.intermediate_size = layout.intermediate_size
         hidden = config.hidden_size
-        self.gate_up_proj = Linear(hidden, 2 * self.intermediate_size, dtype=dtype, device=device)
+        self.gate_up_proj = Linear(
+            hidden, 2 * self.intermediate_size, dtype=dtype, device=device, gated=True
+        )
         self.down_proj = Linear(self.intermediate_size, hidden, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj.forward(x)  # [N, 2 * intermediate]
         if self.kernels is not None:
-            h = self.kernels.silu_and_mul(gate_up)
+            h = self.gate_up_proj.silu_and_mul(x)  # [N, intermediate], or None: not fused
+            if h is None:
+                h = self.kernels.silu_and_mul(self.gate_up_proj.forward(x))
         else:
-            gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
             h = F.silu(gate) * up
         return self.shard.all_reduce_(self.down_proj.forward(h))
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.kernels.autotune import select_kernels
+from engine.kernels.cpu import load_cpu_kernels
 from engine.kernels.matmul import KERNELS
 from engine.kernels.rows import PREFETCH_MODES, RowsGemm, load_rows_gemm
 from engine.layers.linear import Linear
@@ -146,6 +147,74 @@ def test_prefetch_setting_keeps_the_sums(lib: RowsGemm) -> None:
         for r, mode in before.items():
             if r > 1:
                 lib.set_prefetch(mode, r)
+
+
+def silu_and_mul_ref(y: torch.Tensor) -> torch.Tensor:
+    """[M, 2d] float64 gate, then up -> silu(gate) * up [M, d]."""
+    gate, up = y.chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("k", "d"), [(7, 16), (40, 48), (576, 1536)])
+def test_gated_pairs(lib: RowsGemm, k: int, d: int, threads: int) -> None:
+    """Panels packed in (gate, up) pairs: the product in W^T's column order is the plain
+    kernel's bit for bit, and the fused silu(gate) * up matches float64 within 1e-5 and the
+    separate SiLU kernel on the plain product within float32 rounding; for every row count,
+    rows per pass (one-panel tiles included), bias or not. Halves that are not whole panels are
+    refused."""
+    g = torch.Generator().manual_seed(k + d)
+    wt, b = torch.randn(k, 2 * d, generator=g), torch.randn(2 * d, generator=g)
+    packed, pairs = lib.pack(wt), lib.pack_pairs(wt)
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    before_threads, before_rows = lib.threads, lib.group_rows
+    lib.set_threads(threads)
+    try:
+        for group_rows in (before_rows, lib.max_rows):
+            lib.set_group_rows(group_rows)
+            for m in ROWS:
+                x = torch.randn(m, k, generator=g)
+                for bias in (None, b):
+                    plain = lib.matmul(
+                        x, packed, 2 * d, None if bias is None else lib.pad_bias(bias)
+                    )
+                    pb = None if bias is None else lib.pad_bias_pairs(bias)
+                    assert torch.equal(lib.matmul_pairs(x, pairs, 2 * d, pb), plain), m
+                    h = lib.matmul_pairs(x, pairs, 2 * d, pb, silu=True)
+                    ref = x.double() @ wt.double() + (0 if bias is None else bias.double())
+                    assert h.shape == (m, d)
+                    assert rel_err(h, silu_and_mul_ref(ref)) < 1e-5, m
+                    torch.testing.assert_close(h, kernels.silu_and_mul(plain), rtol=1e-6, atol=1e-6)
+    finally:
+        lib.set_threads(before_threads)
+        lib.set_group_rows(before_rows)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        lib.pack_pairs(torch.randn(k, 48))
+
+
+def test_gated_linear_fuses_where_the_rows_kernel_serves() -> None:
+    """A gated `Linear` fuses SiLU-and-multiply into its product wherever the "rows" kernel
+    serves M (1 to 64 rows), before and after selection, and hands it back (None) above; its
+    plain product is unchanged by the paired packing."""
+    layer = Linear(64, 96, dtype=torch.float32, device="cpu", gated=True)
+    g = torch.Generator().manual_seed(3)
+    layer.load_rows(0, torch.randn(96, 64, generator=g))
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    for _ in ("default plan", "selected"):
+        for m in (1, 8, 64, 65):
+            x = torch.randn(m, 64, generator=g)
+            ref = x.double() @ layer.weight_view().double().t()
+            assert rel_err(layer(x), ref) < 1e-5
+            h = layer.silu_and_mul(x)
+            if m > 64:
+                assert h is None
+            else:
+                assert h is not None and rel_err(h, silu_and_mul_ref(ref)) < 1e-5
+        table = select_kernels([layer], m_values=(1, 8), kernels=["rows"], target_s=2e-4)
+        assert table.chosen[(64, 96)] == {1: "rows", 8: "rows"}
+    assert Linear(64, 96, dtype=torch.float32, device="cpu").silu_and_mul(x[:1]) is None
 
 
 def test_registered_and_selected_as_exact() -> None:
