@@ -7,8 +7,7 @@
  * Each entry point replaces several ATen ops (each paying a dispatch cost larger than its work on
  * a small tensor) with one call. Loops are written so that the compiler vectorises them with
  * `-fopenmp-simd` alone: no OpenMP runtime, no fast-math. All functions run on the calling
- * thread; the Python side may split a batch of sequences across threads (ctypes releases the GIL
- * around each call).
+ * thread, except attention.c's store_and_attend, which may run on the rows kernels' pool.
  *
  * Row strides are in floats. Tensors not described as strided are contiguous.
  */
