@@ -48,8 +48,9 @@ class KernelTable:
     """M -> {variant: ms of one pass over all layers}: "per shape" (the per-shape choices) and
     "all NAME" (kernel NAME on every layer), what decided the plan (see ``select_kernels``)."""
     rows_prefetch: dict[int, dict[str, float]] = field(default_factory=dict)
-    """M -> the "rows" kernel's prefetch modes tried -> median ms of one pass over all layers in
-    that mode (see ``select_kernels``); empty if not tried."""
+    """M -> the "rows" kernel's prefetch modes tried -> the median over rounds of a pass over all
+    layers in that mode, as a multiple of the round's fastest mode (see ``select_kernels``);
+    empty if not tried."""
     shared: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def format(self) -> str:
@@ -77,7 +78,7 @@ class KernelTable:
         for m, times in self.rows_prefetch.items():
             best = min(times, key=lambda v: times[v])
             text = ", ".join(f"{v} {t:.3f}{'*' if v == best else ''}" for v, t in times.items())
-            lines.append(f"rows kernel prefetch, one pass, M {m}, ms: {text}")
+            lines.append(f"rows kernel prefetch, one pass, M {m}, x the round's fastest: {text}")
         return "\n".join(lines)
 
 
@@ -157,11 +158,12 @@ def _tune_rows_prefetch(
     """Time one pass of the "rows" kernels `rows_fns` (a model's layers in order, with their
     in_features) at each M of `m_values` from 2 to the kernel's ``group_rows`` (one tile each;
     ``group_rows`` itself too where `m_values` goes beyond it) under each of `PREFETCH_MODES`, in
-    turn `rounds` times after a warm-up. Tiles of each row count get the mode of the least median
-    time at the timed M nearest it (by ratio, the smaller on a tie): the median, not the best, as
-    memory bandwidth on a shared host changes between rounds, and a mode that is best in only one
-    of them is not the best. Returns M -> mode -> median ms (empty, the settings untouched, when
-    no M is in range)."""
+    turn `rounds` times after a warm-up. Tiles of each row count get the mode with the least
+    median, over rounds, of its pass time over the round's fastest mode's at the timed M nearest
+    it (by ratio, the smaller on a tie): memory bandwidth on a shared host changes between
+    rounds, by more than the modes differ, so each round's modes (timed back to back) are
+    compared with one another, and a mode that is best in only some rounds is not the best.
+    Returns M -> mode -> that median (empty, the settings untouched, when no M is in range)."""
     from engine.kernels.rows import PREFETCH_MODES, load_rows_gemm
 
     lib = load_rows_gemm()
@@ -186,7 +188,12 @@ def _tune_rows_prefetch(
                     fn(x)
                 if r:
                     times[m][mode].append((time.perf_counter() - t0) * 1e3)
-    medians = {m: {v: statistics.median(t) for v, t in by.items()} for m, by in times.items()}
+    medians: dict[int, dict[str, float]] = {}
+    for m, by in times.items():
+        fastest = [min(round_times) for round_times in zip(*by.values(), strict=True)]
+        medians[m] = {
+            v: statistics.median(t / f for t, f in zip(by[v], fastest, strict=True)) for v in by
+        }
     for rows in range(2, lib.max_rows + 1):
         nearest = min(ms, key=lambda m: (abs(math.log(m / rows)), m))
         lib.set_prefetch(min(medians[nearest], key=lambda v: medians[nearest][v]), rows)
@@ -204,6 +211,7 @@ def select_kernels(
     openblas_threads: int = 1,
     default_margin: float = 1.25,
     pass_rounds: int = 5,
+    prefetch_rounds: int = 9,
 ) -> KernelTable:
     """Time each candidate kernel per distinct (in, out, dtype, bias) group and per M in
     ``m_values``; install the fastest exact one per M bucket in every layer of the group.
@@ -218,7 +226,7 @@ def select_kernels(
 
     First, where the "rows" kernel can serve every layer, its prefetch mode per tile row count
     (process-wide) is chosen by timing passes over all the layers (``_tune_rows_prefetch``,
-    ``pass_rounds`` rounds; 0: kept as it is): whether several rows stream faster with software
+    ``prefetch_rounds`` rounds; 0: kept as it is): whether several rows stream faster with software
     prefetch, and of which kind, depends on the CPU and the row count.
 
     ``openblas_threads`` defaults to 1 on purpose: OpenBLAS workers spin-wait after each call and
@@ -261,12 +269,12 @@ def select_kernels(
         group_fns[group] = {
             name: [registry[name].build(ly, table.shared) for ly in layers] for name in names
         }
-    if pass_rounds > 0 and order and all("rows" in fns for fns in group_fns.values()):
+    if prefetch_rounds > 0 and order and all("rows" in fns for fns in group_fns.values()):
         table.rows_prefetch = _tune_rows_prefetch(
             [group_fns[key]["rows"][i] for key, i in order],
             [key[0] for key, _ in order],
             m_values,
-            pass_rounds,
+            prefetch_rounds,
         )
     for group, layers in groups.items():
         k, n, dtype, _ = group
