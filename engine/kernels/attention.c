@@ -206,12 +206,12 @@ static void attend_units(const void *ctx, int64_t u0, int64_t u1) {
                         dim)
 /* Constant row counts keep the rows' dot products and accumulators apart; constant head sizes
  * let the compiler unroll the dot products and keep a row's output in registers. */
-#define GROUPED_DIM(dim)              \
-    do {                              \
-        if (rows == 1) GROUPED(1, dim); \
+#define GROUPED_DIM(dim)                     \
+    do {                                     \
+        if (rows == 1) GROUPED(1, dim);      \
         else if (rows == 2) GROUPED(2, dim); \
         else if (rows == 3) GROUPED(3, dim); \
-        else GROUPED(4, dim);         \
+        else GROUPED(4, dim);                \
     } while (0)
         if (head_dim == 64) GROUPED_DIM(64);
         else if (head_dim == 128) GROUPED_DIM(128);
@@ -222,10 +222,9 @@ static void attend_units(const void *ctx, int64_t u0, int64_t u1) {
 }
 
 /* Writes each new token's K and V to its cache slot, then attends, for the num_seqs sequences
- * of a flat varlen batch: on the calling thread alone, or, where
- * pool_run_address is the address of unit_pool_run (rows_gemm's pool), on the pool's threads,
- * in units of one key head and ROW_BLOCK query rows of one sequence (results do not depend on
- * the threads).
+ * of a flat varlen batch: on the calling thread alone or, where pool_run_address is the address
+ * of unit_pool_run (rows_gemm's pool), on the pool's threads, in units of one key head and
+ * ROW_BLOCK query rows of one sequence (results do not depend on the threads).
  *
  * q:  [N, num_heads, head_dim] rows with stride q_stride (the heads themselves contiguous)
  * k, v: [N, num_kv_heads, head_dim] rows with stride kv_stride
@@ -245,14 +244,15 @@ void store_and_attend(const float *q, int64_t q_stride, const float *k, const fl
                       const int64_t *slot_mapping, const int32_t *block_tables,
                       int64_t max_blocks, int64_t block_size, const int64_t *query_start,
                       const int64_t *seq_lens, const int64_t *mask_offsets,
-                      const uint8_t *masks, float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                      const uint8_t *masks, float *out, int64_t num_seqs, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, float scale,
                       int64_t pool_run_address) {
     const int64_t kv_row = num_kv_heads * head_dim, group = num_heads / num_kv_heads;
     for (int64_t t = 0; t < query_start[num_seqs]; t++) {
         memcpy(key_cache + slot_mapping[t] * kv_row, k + t * kv_stride, kv_row * sizeof(float));
         memcpy(value_cache + slot_mapping[t] * kv_row, v + t * kv_stride, kv_row * sizeof(float));
     }
-    int64_t stack_starts[65];
+    int64_t stack_starts[65]; /* up to 64 sequences without a malloc */
     int64_t *unit_start =
         num_seqs < 65 ? stack_starts : malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
     if (unit_start == NULL) abort();
@@ -261,12 +261,12 @@ void store_and_attend(const float *q, int64_t q_stride, const float *k, const fl
     for (int64_t i = 0; i < num_seqs; i++) {
         const int64_t q_len = query_start[i + 1] - query_start[i];
         max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
-        unit_start[i + 1] = unit_start[i] + num_kv_heads * ((q_len * group + ROW_BLOCK - 1) / ROW_BLOCK);
+        const int64_t blocks = (q_len * group + ROW_BLOCK - 1) / ROW_BLOCK;
+        unit_start[i + 1] = unit_start[i] + num_kv_heads * blocks;
     }
     const attend_job_t job = {q, key_cache, value_cache, q_stride, block_size, max_blocks,
                               max_len, block_tables, query_start, seq_lens, mask_offsets,
-                              unit_start, masks, out, num_heads, num_kv_heads,
-                              head_dim, scale};
+                              unit_start, masks, out, num_heads, num_kv_heads, head_dim, scale};
     const int64_t num_units = unit_start[num_seqs];
     if (pool_run_address != 0) {
         ((pool_run_fn)(intptr_t)pool_run_address)(attend_units, &job, num_units, num_units);
