@@ -175,15 +175,10 @@ class RowsGemm:
         features; ``bias`` from ``pad_bias_pairs``): y [M, n] as ``matmul`` on W^T, or with
         ``silu`` silu(gate) * up [M, n / 2], the same sums through `cpu_math.h`'s
         `silu_mul`."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        m, k = x.shape
-        y = torch.empty((m, n // 2 if silu else n), dtype=torch.float32)
-        bias_ptr = None if bias is None else bias.data_ptr()
-        args = (x.data_ptr(), x.stride(0), packed.data_ptr(), bias_ptr, y.data_ptr(), m, k, n)
-        if self.lib.rows_gemm_pairs(*args, int(silu)):
+        if n % (2 * self.PANEL) != 0:
             raise ValueError(f"rows_gemm_pairs: out features {n} not a multiple of 32")
-        return y
+        run, cols = self.lib.rows_gemm_pairs, n // 2 if silu else n
+        return self._product(run, x, (packed.data_ptr(),), n, bias, cols, (int(silu),))
 
     def pack_q8(self, wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """W^T [in, out] float32 (last dim contiguous) -> (packed int8 [ceil(out/16), in, 16]
@@ -245,15 +240,18 @@ class RowsGemm:
         weights: tuple[int, ...],  # the weight arguments of `run` after x's
         n: int,
         bias: torch.Tensor | None,
-    ) -> torch.Tensor:  # [M, n]
+        cols: int | None = None,
+        tail: tuple[int, ...] = (),
+    ) -> torch.Tensor:  # [M, cols]
         """One call of a `rows_gemm*` product, whose arguments are x, its row stride, the
-        weights, the bias or NULL, y, then m, k, n."""
+        weights, the bias or NULL, y ([M, cols], cols = n unless given), then m, k, n and
+        `tail`."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
-        y = torch.empty((m, n), dtype=torch.float32)  # [M, out]
+        y = torch.empty((m, n if cols is None else cols), dtype=torch.float32)
         bias_ptr = None if bias is None else bias.data_ptr()
-        run(x.data_ptr(), x.stride(0), *weights, bias_ptr, y.data_ptr(), m, k, n)
+        run(x.data_ptr(), x.stride(0), *weights, bias_ptr, y.data_ptr(), m, k, n, *tail)
         return y
 
 

@@ -69,28 +69,36 @@ static inline int64_t unit_panels(int64_t group, int64_t pairs) {
 /* Each tile row count's PREFETCH_* mode (atomic; set by rows_gemm_set_prefetch). */
 static int64_t tile_prefetch[MR_MAX + 1] = {[2 ... MR_MAX] = PREFETCH_DEFAULT};
 
+/* Rows [r, r + mr) times panels [p0, p1), a main tile at a time and single panels for the rest:
+ * panel p's columns go to y + (p - p0) * PANEL (row stride ldy), the first `cols` columns of the
+ * run being real (the rest of the last panel is padding). */
+static void run_tiles(const job_t *job, int64_t r, int mr, int64_t p0, int64_t p1, float *y,
+                      int64_t ldy, int64_t cols) {
+    const int nb = TILE_NB[mr];
+    /* a setting of speed alone: y is the same in every mode */
+    const int64_t prefetch = __atomic_load_n(&tile_prefetch[mr], __ATOMIC_RELAXED);
+    const float *x = job->x + r * job->ldx; /* this group's rows */
+    const int64_t panel_bytes = job->ps * FMT_BYTES[job->fmt];
+    for (int64_t p = p0; p < p1;) {
+        const int full = p + nb <= p1; /* a main tile fits */
+        const int64_t width = (full ? nb : 1) * PANEL, left = cols - (p - p0) * PANEL;
+        (full ? TILE_MAIN : TILE_ONE)[job->fmt][mr](
+            x, job->ldx, (const char *)job->w + p * panel_bytes,
+            job->scales ? job->scales + p * PANEL : 0, job->k, job->ps, job->wk,
+            job->bias ? job->bias + p * PANEL : 0, y + (p - p0) * PANEL, ldy,
+            left < width ? left : width, prefetch);
+        p += full ? nb : 1;
+    }
+}
+
 /* Panels [p0, p1) (whole pairs, at most PAIR_UNIT_MAX) of a product in pairs, a row group at a
  * time: the tiles' sums into a buffer of the unit's own, then each pair's columns into y. */
 static void run_pairs(const job_t *job, int64_t p0, int64_t p1) {
     float sums[MR_MAX * PAIR_UNIT_MAX * PANEL]; /* [group rows][p1 - p0 panels] */
-    const int64_t ld = (p1 - p0) * PANEL, half = job->n / 2, k = job->k;
-    const int64_t panel_bytes = job->ps * FMT_BYTES[job->fmt];
+    const int64_t ld = (p1 - p0) * PANEL, half = job->n / 2;
     for (int64_t r = 0; r < job->m; r += job->group) {
         const int mr = (int)(job->m - r < job->group ? job->m - r : job->group);
-        const int nb = TILE_NB[mr];
-        const int64_t prefetch = __atomic_load_n(&tile_prefetch[mr], __ATOMIC_RELAXED);
-        const float *x = job->x + r * job->ldx;
-        int64_t p = p0;
-        for (; p + nb <= p1; p += nb) {
-            TILE_MAIN[job->fmt][mr](x, job->ldx, (const char *)job->w + p * panel_bytes, 0, k,
-                                    job->ps, job->wk, job->bias ? job->bias + p * PANEL : 0,
-                                    sums + (p - p0) * PANEL, ld, nb * PANEL, prefetch);
-        }
-        for (; p < p1; p++) {
-            TILE_ONE[job->fmt][mr](x, job->ldx, (const char *)job->w + p * panel_bytes, 0, k,
-                                   job->ps, job->wk, job->bias ? job->bias + p * PANEL : 0,
-                                   sums + (p - p0) * PANEL, ld, PANEL, prefetch);
-        }
+        run_tiles(job, r, mr, p0, p1, sums, ld, ld);
         for (int i = 0; i < mr; i++) {
             for (int64_t q = p0 / 2; q < p1 / 2; q++) {
                 const float *gate = sums + i * ld + (2 * q - p0) * PANEL, *up = gate + PANEL;
@@ -109,45 +117,23 @@ static void run_pairs(const job_t *job, int64_t p0, int64_t p1) {
 }
 
 /* Units [u0, u1)'s panels for all rows, a row group at a time (later groups re-read the units'
- * weights from cache). */
+ * weights from cache); in pairs, a unit at a time. */
 static void run_units(const void *ctx, int64_t u0, int64_t u1) {
     const job_t *job = ctx;
+    const int64_t npanels = (job->n + PANEL - 1) / PANEL;
+    const int64_t unit = unit_panels(job->group, job->pairs);
     if (job->pairs != PAIRS_NONE) {
-        const int64_t unit = unit_panels(job->group, job->pairs), npanels = job->n / PANEL;
         for (int64_t u = u0; u < u1; u++) {
             run_pairs(job, u * unit, (u + 1) * unit < npanels ? (u + 1) * unit : npanels);
         }
         return;
     }
-    const int64_t npanels = (job->n + PANEL - 1) / PANEL;
-    const int64_t unit = unit_panels(job->group, PAIRS_NONE);
     const int64_t p0 = u0 * unit;
     const int64_t p1 = u1 * unit < npanels ? u1 * unit : npanels;
-    const int64_t k = job->k;
-    const tile_fn *tile_main = TILE_MAIN[job->fmt], *tile_one = TILE_ONE[job->fmt];
-    const int64_t panel_bytes = job->ps * FMT_BYTES[job->fmt];
     for (int64_t r = 0; r < job->m; r += job->group) {
         const int mr = (int)(job->m - r < job->group ? job->m - r : job->group);
-        const int nb = TILE_NB[mr];
-        /* a setting of speed alone: y is the same in every mode */
-        const int64_t prefetch = __atomic_load_n(&tile_prefetch[mr], __ATOMIC_RELAXED);
-        const float *x = job->x + r * job->ldx; /* this group's rows */
-        float *y = job->y + r * job->n;
-        int64_t p = p0;
-        for (; p + nb <= p1; p += nb) {
-            const int64_t cols = job->n - p * PANEL;
-            tile_main[mr](x, job->ldx, (const char *)job->w + p * panel_bytes,
-                          job->scales ? job->scales + p * PANEL : 0, k, job->ps, job->wk,
-                          job->bias ? job->bias + p * PANEL : 0, y + p * PANEL, job->n,
-                          cols < nb * PANEL ? cols : nb * PANEL, prefetch);
-        }
-        for (; p < p1; p++) {
-            const int64_t cols = job->n - p * PANEL;
-            tile_one[mr](x, job->ldx, (const char *)job->w + p * panel_bytes,
-                         job->scales ? job->scales + p * PANEL : 0, k, job->ps, job->wk,
-                         job->bias ? job->bias + p * PANEL : 0, y + p * PANEL, job->n,
-                         cols < PANEL ? cols : PANEL, prefetch);
-        }
+        run_tiles(job, r, mr, p0, p1, job->y + r * job->n + p0 * PANEL, job->n,
+                  job->n - p0 * PANEL);
     }
 }
 

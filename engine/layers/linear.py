@@ -68,8 +68,6 @@ class Linear(torch.nn.Module):
         self.kernel_names: dict[int, str] = {}  # M bucket -> kernel name, for reports
         self._by_m: tuple[KernelFn, ...] = ()  # index M -> kernel, for M < len(_by_m)
         self._large: KernelFn = torch_kernel(self)  # for M >= len(_by_m)
-        self._fused_by_m: tuple[GatedKernel | None, ...] = ()  # as _by_m: kernels that fuse
-        self._fused_large: GatedKernel | None = None
         self.install(default_plan(self))
 
     def extra_repr(self) -> str:
@@ -134,9 +132,8 @@ class Linear(torch.nn.Module):
         fused into the product by the kernel serving M rows; None where that kernel does not
         fuse it (the caller applies its own to `forward`)."""
         m = x.shape[0]
-        fused = self._fused_by_m
-        kernel = fused[m] if m < len(fused) else self._fused_large
-        return None if kernel is None else kernel.silu_and_mul(x)
+        kernel = self._by_m[m] if m < len(self._by_m) else self._large
+        return kernel.silu_and_mul(x) if isinstance(kernel, GatedKernel) else None
 
     def install(self, plan: Mapping[int, tuple[str, KernelFn]]) -> None:
         """Install kernels: ``plan[bucket] = (name, fn)`` serves every M up to ``bucket`` that no
@@ -148,6 +145,4 @@ class Linear(torch.nn.Module):
         by_m += [plan[next(b for b in buckets if b >= m)][1] for m in range(1, buckets[-1] + 1)]
         self._by_m = tuple(by_m)
         self._large = plan[buckets[-1]][1]
-        self._fused_by_m = tuple(fn if isinstance(fn, GatedKernel) else None for fn in by_m)
-        self._fused_large = self._large if isinstance(self._large, GatedKernel) else None
         self.kernel_names = {b: plan[b][0] for b in buckets}
