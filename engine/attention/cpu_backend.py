@@ -44,8 +44,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         query_lens, seq_lens = metadata.query_lens, metadata.seq_lens
-        works = [q * k for q, k in zip(query_lens, seq_lens, strict=True)]
-        total = sum(works)
+        total = sum(q * k for q, k in zip(query_lens, seq_lens, strict=True))
         if total > FUSED_MAX_WORK or metadata.block_tables.device.type != "cpu":
             super().prepare(metadata)
             return
