@@ -100,7 +100,7 @@ void log_softmax_topk(const float *logits, int64_t n, int64_t v, int64_t k, cons
  * ------------------------------------------------------------------------------------------- */
 
 /* rows_gemm_q8's signature (engine/kernels/rows_gemm.c), called through its address. */
-typedef void (*q8_matmul_t)(const float *x, int64_t ldx, const int8_t *packed, const float *scales,
+typedef void (*q8_matmul_t)(const float *x, int64_t ldx, const uint8_t *packed, const float *scales,
                             const float *bias, float *y, int64_t m, int64_t k, int64_t n);
 
 /* Per head, the addresses `speculator_draft` reads, in this order. */
@@ -212,7 +212,7 @@ int speculator_draft(const float *states, int64_t ld_states, const int64_t *root
             }
             if (rows == 0) break;
         }
-        matmul(x, ldx, (const int8_t *)(intptr_t)h[H_PROJ],
+        matmul(x, ldx, (const uint8_t *)(intptr_t)h[H_PROJ],
                (const float *)(intptr_t)h[H_PROJ_SCALES], NULL, projected, prev_rows,
                i == 0 ? d_in : d, d);
         for (int64_t r = 0; r < rows; r++) {
@@ -221,7 +221,7 @@ int speculator_draft(const float *states, int64_t ld_states, const int64_t *root
                       emb + (i == 0 ? root_tokens[r] : n->token) * d, emb_scale, ln_w, ln_b, eps,
                       cur + r * d, d);
         }
-        matmul(cur, d, (const int8_t *)(intptr_t)h[H_HEAD],
+        matmul(cur, d, (const uint8_t *)(intptr_t)h[H_HEAD],
                (const float *)(intptr_t)h[H_HEAD_SCALES], NULL, logits, rows, d, vocab);
         for (int64_t r = 0; r < rows; r++) {
             const int64_t b = i == 0 ? r : row_node[r] / max_nodes;

@@ -46,7 +46,6 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rows_gemm_pack_pairs": ([_P, _I, _I, _I, _P], ctypes.c_int),
     "rows_gemm_q8": ([_P, _I, _P, _P, _P, _P, _I, _I, _I], None),
     "rows_gemm_pack_q8": ([_P, _I, _I, _I, _P, _P], None),
-    "rows_gemm_packed_size": ([_I, _I], _I),
     "rows_gemm_set_threads": ([ctypes.c_int], None),
     "rows_gemm_get_threads": ([], ctypes.c_int),
     "rows_gemm_set_spin_us": ([_I], None),
@@ -56,6 +55,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rows_gemm_set_prefetch": ([_I, _I], ctypes.c_int),
     "rows_gemm_get_prefetch": ([_I], _I),
     "rows_gemm_isa": ([], ctypes.c_char_p),
+    "rows_gemm_q8_isa": ([], ctypes.c_char_p),
     "rows_gemm_max_rows": ([], ctypes.c_int),
 }
 
@@ -67,13 +67,16 @@ class RowsGemm:
     ``pack`` copies a layer's W^T into the panel layout the kernel streams; ``matmul`` runs on
     such a copy. ``matmul_inplace`` reads W^T itself, 16-column panels at its row stride, where
     the output features are a multiple of 16 (no copy, but slower: each step of a panel is a
-    row of W^T away from the last). ``pack_q8`` / ``matmul_q8`` are the same on int8 weights
-    with a float32 scale per output feature (a quarter of the weight bytes to stream; for
-    products that may be approximate, such as a speculator's vocabulary heads).
+    row of W^T away from the last). ``pack_q8`` / ``matmul_q8`` are int8 products: int8
+    weights with a float32 scale per output feature (a quarter of the weight bytes to stream)
+    times each row of x quantised to int8 with a scale of its own, the integer products summed
+    exactly (`rows_q8.h`); for products that may be approximate, such as a speculator's
+    vocabulary heads.
     ``pack_pairs`` / ``matmul_pairs`` serve a gated layer (its output features the gate, then
     the up projection, each a multiple of 16): panels packed in (gate, up) pairs, whose product
     is written in W^T's column order or, fused, as silu(gate) * up. ``isa`` names
-    the compiled path: "avx512", "avx2" or "scalar". Calls from several Python threads are
+    the compiled path: "avx512", "avx2" or "scalar"; ``q8_isa`` the int8 one: "avx512-vnni",
+    "avx2" or "scalar". Calls from several Python threads are
     serialised inside the library.
     """
 
@@ -86,6 +89,7 @@ class RowsGemm:
         self._run_inplace = lib.rows_gemm_inplace
         self._run_q8 = lib.rows_gemm_q8
         self.isa: str = lib.rows_gemm_isa().decode()
+        self.q8_isa: str = lib.rows_gemm_q8_isa().decode()
         # for C callers: drafting.c's speculator_draft, attention.c's store_and_attend
         self.q8_address: int = ctypes.cast(lib.rows_gemm_q8, ctypes.c_void_p).value or 0
         self.pool_run_address: int = ctypes.cast(lib.unit_pool_run, ctypes.c_void_p).value or 0
@@ -181,18 +185,27 @@ class RowsGemm:
         return self._product(run, x, (packed.data_ptr(),), n, bias, cols, (int(silu),))
 
     def pack_q8(self, wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """W^T [in, out] float32 (last dim contiguous) -> (packed int8 [ceil(out/16), in, 16]
-        contiguous, the last panel zero-padded; scales float32 [ceil(out/16) * 16], padding 0).
+        """W^T [in, out] float32 (last dim contiguous) -> (packed uint8 [ceil(out/16),
+        ceil(in/4), 16, 4] contiguous: q + 128 by panels of 16 output features and groups of 4
+        input features, padding q = 0; scales float32 [ceil(out/16) * 16], padding 0).
         Symmetric per output feature j: scales[j] = max |W^T[:, j]| / 127 (0 for a column of
-        zeros), packed = W^T / scales[j] rounded to nearest (ties to even), in [-127, 127]."""
+        zeros), q = W^T / scales[j] rounded to nearest (ties to even), in [-127, 127]."""
         k, n = wt.shape
-        panels = -(-n // self.PANEL)
-        packed = huge_page_zeros((panels, k, self.PANEL), torch.int8)  # [P, in, 16]
+        panels, groups = -(-n // self.PANEL), -(-k // 4)
+        packed = huge_page_zeros((panels, groups, self.PANEL, 4), torch.uint8)  # [P, G, 16, 4]
         scales = torch.empty(panels * self.PANEL, dtype=torch.float32)  # [P * 16]
         self.lib.rows_gemm_pack_q8(
             wt.data_ptr(), wt.stride(0), k, n, packed.data_ptr(), scales.data_ptr()
         )
         return packed, scales
+
+    @staticmethod
+    def unpack_q8(packed: torch.Tensor, k: int) -> torch.Tensor:
+        """``pack_q8``'s panels [P, G, 16, 4] -> q int8 [P * 16, k] (output feature, input
+        feature; padded features included)."""
+        panels, groups = packed.shape[:2]
+        q = packed.permute(0, 2, 1, 3).reshape(panels * 16, groups * 4)[:, :k]
+        return (q.to(torch.int16) - 128).to(torch.int8)
 
     def pad_bias(self, bias: torch.Tensor) -> torch.Tensor:
         """bias [out] -> [ceil(out/16) * 16], zero-padded, as ``matmul`` reads it."""
@@ -216,9 +229,11 @@ class RowsGemm:
         n: int,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [M, in] float32 (M >= 1) @ (packed * scales)^T -> y [M, n] float32, ``packed``
-        and ``scales`` from ``pack_q8`` (n = out features); plus ``bias`` from ``pad_bias``
-        when given. Sums in float32 in the order of ``matmul``."""
+        """x [M, in] float32 (M >= 1) -> y [M, n] float32 = (q_x * scale_x) @ (q * scales)^T,
+        ``packed`` and ``scales`` from ``pack_q8`` (n = out features), each row of x quantised
+        as ``pack_q8`` quantises a column of W^T (scale_x = max |row| / 127), the integer
+        products summed exactly, then (sum * scale_x) * scales[j]; plus ``bias`` from
+        ``pad_bias`` when given."""
         weights = (packed.data_ptr(), scales.data_ptr())
         return self._product(self._run_q8, x, weights, n, bias)
 

@@ -8,13 +8,13 @@
  * run over the same run of panels one after another, the later groups reading its weights from
  * cache.
  *
- * int8 weights ("q8", weight-only, for memory-bound products whose result may be approximate,
- * such as a draft model's vocabulary head): `rows_gemm_pack_q8` quantises W^T symmetrically per
- * output column j, scale_j = max_k |W^T[k, j]| / 127 (0 for a column of zeros),
- * q = round-to-nearest-even(W^T / scale_j) clamped to [-127, 127], into int8 panels of the same
- * [ceil(N / 16)][K][16] layout (a quarter of the bytes) plus scales[ceil(N / 16) * 16] (padding
- * 0). `rows_gemm_q8` computes y = x @ (q * scale)^T (+ bias) with the float path's tiles,
- * threads, row groups and k order.
+ * int8 ("q8", for memory-bound products whose result may be approximate, such as a draft
+ * model's vocabulary head): `rows_gemm_pack_q8` quantises W^T symmetrically per output column j,
+ * scale_j = max_k |W^T[k, j]| / 127 (0 for a column of zeros), q = round-to-nearest-even(W^T /
+ * scale_j) clamped to [-127, 127], into byte panels (rows_q8.h: a quarter of float's bytes) plus
+ * scales[ceil(N / 16) * 16] (padding 0). `rows_gemm_q8` quantises each row of x the same way
+ * (one scale per row) and sums the integer products exactly (rows_q8.h), with the float path's
+ * threads and row groups: y = (q_x * scale_x) @ (q * scale)^T (+ bias).
  *
  * Gated layers (an MLP's gate and up projections in one product: W^T's columns [0, n/2) are the
  * gate, [n/2, n) the up projection) may be packed in pairs of panels (`rows_gemm_pack_pairs`):
@@ -33,6 +33,7 @@
 
 #include "cpu_math.h"
 #include "rows_tiles.h"
+#include "rows_q8.h"
 #include "unit_pool.h"
 
 /* ---------------------------------------------------------------------------------------------
@@ -41,15 +42,22 @@
 
 typedef struct {
     const float *x; /* [m, k], row stride ldx */
-    const void *w;  /* weights: float (FMT_F32) or int8_t (FMT_Q8) */
-    const float *scales; /* FMT_Q8: per-column scales, padded to whole panels; else NULL */
-    int64_t fmt;    /* FMT_F32 or FMT_Q8 */
-    int64_t ps, wk; /* panel j, step kk at weight element j * ps + kk * wk */
+    const float *w; /* float weights: panel j, step kk at j * ps + kk * wk */
+    int64_t ps, wk;
     const float *bias;
     float *y;
     int64_t m, k, n, ldx;
-    int64_t group;  /* rows per pass over the weights, <= MR_MAX */
-    int64_t pairs;  /* PAIRS_*: how y is written from panels packed in pairs */
+    int64_t group; /* rows per pass over the weights, <= MR_MAX */
+    int64_t pairs; /* PAIRS_*: how y is written from panels packed in pairs */
+    /* q8 products (w NULL; see rows_q8.h): x quantised [m, ldq] with its rows' corrections and
+     * scales, and the weights' byte panels (q8_ps bytes apart) with their column scales */
+    const int8_t *xq;
+    int64_t ldq;
+    const int32_t *corr;
+    const float *row_scale;
+    const uint8_t *q8;
+    int64_t q8_ps;
+    const float *scales;
 } job_t;
 
 /* How a product on panels packed in pairs writes y: no pairs (y as the panels), y [m, n] in W^T's
@@ -77,16 +85,21 @@ static void run_tiles(const job_t *job, int64_t r, int mr, int64_t p0, int64_t p
     const int nb = TILE_NB[mr];
     /* a setting of speed alone: y is the same in every mode */
     const int64_t prefetch = __atomic_load_n(&tile_prefetch[mr], __ATOMIC_RELAXED);
-    const float *x = job->x + r * job->ldx; /* this group's rows */
-    const int64_t panel_bytes = job->ps * FMT_BYTES[job->fmt];
     for (int64_t p = p0; p < p1;) {
         const int full = p + nb <= p1; /* a main tile fits */
         const int64_t width = (full ? nb : 1) * PANEL, left = cols - (p - p0) * PANEL;
-        (full ? TILE_MAIN : TILE_ONE)[job->fmt][mr](
-            x, job->ldx, (const char *)job->w + p * panel_bytes,
-            job->scales ? job->scales + p * PANEL : 0, job->k, job->ps, job->wk,
-            job->bias ? job->bias + p * PANEL : 0, y + (p - p0) * PANEL, ldy,
-            left < width ? left : width, prefetch);
+        const int64_t ncols = left < width ? left : width;
+        const float *bias = job->bias ? job->bias + p * PANEL : 0;
+        if (job->q8) {
+            (full ? Q8_TILE_MAIN : Q8_TILE_ONE)[mr](
+                job->xq + r * job->ldq, job->ldq, job->corr + r, job->row_scale + r,
+                job->q8 + p * job->q8_ps, job->ldq / Q8_GROUP, job->q8_ps, job->scales + p * PANEL,
+                bias, y + (p - p0) * PANEL, ldy, ncols);
+        } else {
+            (full ? TILE_MAIN : TILE_ONE)[mr](job->x + r * job->ldx, job->ldx, job->w + p * job->ps,
+                                              job->k, job->ps, job->wk, bias, y + (p - p0) * PANEL,
+                                              ldy, ncols, prefetch);
+        }
         p += full ? nb : 1;
     }
 }
@@ -183,13 +196,20 @@ int rows_gemm_pack_pairs(const float *wt, int64_t ldw, int64_t k, int64_t n, flo
     return 0;
 }
 
-/* W^T [k, n] (row stride ldw) -> int8 panels packed [ceil(n / 16)][k][16] (the last panel
- * zero-padded) and scales[ceil(n / 16) * 16] (padding 0): per column j, scale_j =
- * max_k |W^T[k, j]| / 127 and q = W^T / scale_j rounded to nearest (ties to even), clamped to
- * [-127, 127]; a column of zeros gets scale 0 and q = 0. */
-void rows_gemm_pack_q8(const float *wt, int64_t ldw, int64_t k, int64_t n, int8_t *packed,
+/* The int8 value of a / scale (scale > 0): rounded to nearest (ties to even), clamped to
+ * [-127, 127]. */
+static inline int8_t quantise(float a, float scale) {
+    const float q = nearbyintf(a / scale);
+    return (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
+}
+
+/* W^T [k, n] (row stride ldw) -> byte panels packed [ceil(n / 16)][ceil(k / 4)][16][4]
+ * (rows_q8.h: q + 128; padding q = 0) and scales[ceil(n / 16) * 16] (padding 0): per column j,
+ * scale_j = max_k |W^T[k, j]| / 127 and q = quantise(W^T[k, j], scale_j); a column of zeros
+ * gets scale 0 and q = 0. */
+void rows_gemm_pack_q8(const float *wt, int64_t ldw, int64_t k, int64_t n, uint8_t *packed,
                        float *scales) {
-    const int64_t npanels = (n + PANEL - 1) / PANEL;
+    const int64_t npanels = (n + PANEL - 1) / PANEL, groups = (k + Q8_GROUP - 1) / Q8_GROUP;
     for (int64_t p = 0; p < npanels; p++) {
         const int64_t c0 = p * PANEL;
         const int64_t cols = n - c0 < PANEL ? n - c0 : PANEL;
@@ -202,15 +222,13 @@ void rows_gemm_pack_q8(const float *wt, int64_t ldw, int64_t k, int64_t n, int8_
         }
         float *s = scales + c0;
         for (int64_t c = 0; c < PANEL; c++) s[c] = c < cols ? amax[c] / 127.0f : 0.0f;
-        int8_t *dst = packed + p * k * PANEL;
-        for (int64_t kk = 0; kk < k; kk++) {
+        uint8_t *dst = packed + p * groups * Q8_GROUP_BYTES;
+        for (int64_t kk = 0; kk < groups * Q8_GROUP; kk++) {
             for (int64_t c = 0; c < PANEL; c++) {
-                float q = 0.0f;
-                if (c < cols && s[c] != 0.0f) {
-                    q = nearbyintf(wt[kk * ldw + c0 + c] / s[c]);
-                    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-                }
-                dst[kk * PANEL + c] = (int8_t)q;
+                const int real = kk < k && c < cols && s[c] != 0.0f;
+                const int8_t q = real ? quantise(wt[kk * ldw + c0 + c], s[c]) : 0;
+                dst[kk / Q8_GROUP * Q8_GROUP_BYTES + c * Q8_GROUP + kk % Q8_GROUP] =
+                    (uint8_t)(q + 128);
             }
         }
     }
@@ -251,19 +269,15 @@ void rows_gemm_set_chunk_bytes(int64_t bytes) {
     __atomic_store_n(&chunk_bytes, bytes < 1 ? 1 : bytes, __ATOMIC_RELAXED);
 }
 
-/* y [m, n] = x [m, k] @ W^T on weights laid out as panels (see the tiles), of format `fmt`
- * (FMT_Q8: int8 with per-column `scales`). */
-static void run(const float *x, int64_t ldx, const void *w, const float *scales, int64_t fmt,
-                int64_t ps, int64_t wk, const float *bias, float *y, int64_t m, int64_t k,
-                int64_t n, int64_t pairs) {
-    if (m <= 0 || n <= 0) return;
-    const int64_t npanels = (n + PANEL - 1) / PANEL;
+/* Runs `job` (all but its row grouping filled in) on the pool: y [m, n] = x [m, k] @ W^T. */
+static void run(job_t job) {
+    if (job.m <= 0 || job.n <= 0) return;
+    const int64_t npanels = (job.n + PANEL - 1) / PANEL;
     /* Row groups of equal size, at most group_rows each. */
-    const int64_t gmax = RELAXED(group_rows);
-    const int64_t group = (m + (m + gmax - 1) / gmax - 1) / ((m + gmax - 1) / gmax);
-    const int64_t unit = unit_panels(group, pairs);
-    const int64_t unit_bytes = unit * k * PANEL * FMT_BYTES[fmt];
-    const job_t job = {x, w, scales, fmt, ps, wk, bias, y, m, k, n, ldx, group, pairs};
+    const int64_t gmax = RELAXED(group_rows), groups = (job.m + gmax - 1) / gmax;
+    job.group = (job.m + groups - 1) / groups;
+    const int64_t unit = unit_panels(job.group, job.pairs);
+    const int64_t unit_bytes = unit * (job.q8 ? job.q8_ps : job.k * PANEL * (int64_t)sizeof(float));
     unit_pool_run(run_units, &job, (npanels + unit - 1) / unit,
                   RELAXED(chunk_bytes) / (unit_bytes > 0 ? unit_bytes : 1));
 }
@@ -272,7 +286,8 @@ static void run(const float *x, int64_t ldx, const void *w, const float *scales,
  * + bias, when not NULL, padded to ceil(n / 16) * 16 floats. */
 void rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
                int64_t m, int64_t k, int64_t n) {
-    run(x, ldx, packed, 0, FMT_F32, k * PANEL, PANEL, bias, y, m, k, n, PAIRS_NONE);
+    run((job_t){.x = x, .ldx = ldx, .w = packed, .ps = k * PANEL, .wk = PANEL, .bias = bias,
+                .y = y, .m = m, .k = k, .n = n});
 }
 
 /* The product of a gated layer packed by rows_gemm_pack_pairs (bias, when not NULL, padded and
@@ -282,8 +297,8 @@ void rows_gemm(const float *x, int64_t ldx, const float *packed, const float *bi
 int rows_gemm_pairs(const float *x, int64_t ldx, const float *packed, const float *bias,
                     float *y, int64_t m, int64_t k, int64_t n, int64_t silu) {
     if (n % (2 * PANEL) != 0) return -2;
-    run(x, ldx, packed, 0, FMT_F32, k * PANEL, PANEL, bias, y, m, k, n,
-        silu ? PAIRS_SILU : PAIRS_HALVES);
+    run((job_t){.x = x, .ldx = ldx, .w = packed, .ps = k * PANEL, .wk = PANEL, .bias = bias,
+                .y = y, .m = m, .k = k, .n = n, .pairs = silu ? PAIRS_SILU : PAIRS_HALVES});
     return 0;
 }
 
@@ -292,13 +307,50 @@ int rows_gemm_pairs(const float *x, int64_t ldx, const float *packed, const floa
 int rows_gemm_inplace(const float *x, int64_t ldx, const float *wt, int64_t ldw, const float *bias,
                       float *y, int64_t m, int64_t k, int64_t n) {
     if (n % PANEL != 0) return -2;
-    run(x, ldx, wt, 0, FMT_F32, PANEL, ldw, bias, y, m, k, n, PAIRS_NONE);
+    run((job_t){.x = x, .ldx = ldx, .w = wt, .ps = PANEL, .wk = ldw, .bias = bias, .y = y,
+                .m = m, .k = k, .n = n});
     return 0;
 }
 
-/* y [m, n] (contiguous) = x [m, k] (row stride ldx) @ (q * scale)^T, q and scales packed by
- * rows_gemm_pack_q8; + bias as rows_gemm. */
-void rows_gemm_q8(const float *x, int64_t ldx, const int8_t *packed, const float *scales,
+/* The compiled q8 path: "avx512-vnni", "avx2" or "scalar". */
+const char *rows_gemm_q8_isa(void) { return Q8_ISA; }
+
+/* y [m, n] (contiguous) = (q_x * scale_x) @ (q * scale)^T (+ bias as rows_gemm): q and scales
+ * packed by rows_gemm_pack_q8; each row of x [m, k] (row stride ldx) quantised as a column of
+ * W^T is (scale_x = max |row| / 127, q_x = quantise(x, scale_x), 0 for a row of zeros), on the
+ * calling thread, into a buffer of its own (grown as needed and kept). Aborts if memory runs
+ * out. */
+void rows_gemm_q8(const float *x, int64_t ldx, const uint8_t *packed, const float *scales,
                   const float *bias, float *y, int64_t m, int64_t k, int64_t n) {
-    run(x, ldx, packed, scales, FMT_Q8, k * PANEL, PANEL, bias, y, m, k, n, PAIRS_NONE);
+    if (m <= 0 || n <= 0) return;
+    static __thread char *buffer;
+    static __thread size_t capacity;
+    const int64_t ldq = (k + Q8_GROUP - 1) / Q8_GROUP * Q8_GROUP;
+    const size_t need = (size_t)m * (sizeof(int32_t) + sizeof(float) + (size_t)ldq);
+    if (need > capacity) {
+        free(buffer);
+        buffer = malloc(need);
+        if (buffer == NULL) abort();
+        capacity = need;
+    }
+    int32_t *corr = (int32_t *)buffer;
+    float *row_scale = (float *)(corr + m);
+    int8_t *xq = (int8_t *)(row_scale + m);
+    for (int64_t i = 0; i < m; i++) {
+        const float *row = x + i * ldx;
+        float amax = 0.0f;
+        for (int64_t kk = 0; kk < k; kk++) amax = fabsf(row[kk]) > amax ? fabsf(row[kk]) : amax;
+        const float scale = amax / 127.0f;
+        int32_t sum = 0;
+        int8_t *q = xq + i * ldq;
+        for (int64_t kk = 0; kk < ldq; kk++) {
+            q[kk] = kk < k && scale != 0.0f ? quantise(row[kk], scale) : 0;
+            sum += q[kk];
+        }
+        row_scale[i] = scale;
+        corr[i] = 128 * sum;
+    }
+    run((job_t){.bias = bias, .y = y, .m = m, .k = k, .n = n, .xq = xq, .ldq = ldq,
+                .corr = corr, .row_scale = row_scale, .q8 = packed,
+                .q8_ps = ldq / Q8_GROUP * Q8_GROUP_BYTES, .scales = scales});
 }

@@ -9,8 +9,7 @@
  * (one fused multiply-add per k on the vector paths), in blocks of KBLOCK steps whose sums are
  * added to the output in turn. A tile broadcasts each row's x[k] from x itself (row stride ldx):
  * x is a few kilobytes, and copying it into another layout first costs more than it saves.
- * int8 weights (q8) are widened to float32 in registers, and each block's sums are multiplied by
- * the column scales before they are added to y.
+ * (int8 weights have tiles of their own: rows_q8.h.)
  *
  * Included once, by rows_gemm.c.
  */
@@ -34,11 +33,10 @@
  * panel's line PF_NTA_LINES ahead, into L1 as non-temporal: each weight is read once) or
  * PREFETCH_L2 (PF_L2_LINES ahead over the tile's NB panels together, PF_L2_LINES / NB each, into
  * L2: the lines in flight, not how far each stream runs ahead, set how well the products of
- * several rows overlap the stream). Distances are in 64-byte lines of float weights (q8 weights:
- * the same distance in bytes). One row always streams with the hardware's prefetcher alone (the
- * fastest on every CPU measured); for several rows the fastest mode depends on the CPU and the
- * row count, so callers choose by timing. PREFETCH_DEFAULT until then. Results never depend on
- * it. */
+ * several rows overlap the stream). Distances are in 64-byte lines. One row always streams with
+ * the hardware's prefetcher alone (the fastest on every CPU measured); for several rows the
+ * fastest mode depends on the CPU and the row count, so callers choose by timing.
+ * PREFETCH_DEFAULT until then. Results never depend on it. */
 enum { PREFETCH_NONE, PREFETCH_NTA, PREFETCH_L2, PREFETCH_MODES };
 #define PF_NTA_LINES 32
 #define PF_L2_LINES 128
@@ -48,30 +46,23 @@ enum { PREFETCH_NONE, PREFETCH_NTA, PREFETCH_L2, PREFETCH_MODES };
 #define KBLOCK 128
 
 /* ---------------------------------------------------------------------------------------------
- * Tiles: MR rows of x times NB panels starting at `w` (panel j, step kk at w + j * ps + kk * wk
- * elements: ps = k * PANEL, wk = PANEL when packed; ps = PANEL, wk = ldw in place), written to
- * y[MR][ncols] with row stride ldy, ncols <= NB * PANEL (the rest of the last panel is padding).
- * `bias` is NULL or points at NB * PANEL readable floats (the padded bias). `prefetch` is the
- * tile's PREFETCH_* mode.
- *
- * Two families come from one TILE_BODY(MR, NB, WLOAD, SCALED): `tile_MR_NB` on float weights
- * (WLOAD_F32, SCALED 0; `scales` unused) and `tile_q8_MR_NB` on int8 weights (WLOAD_Q8, which
- * widens them to float32 in registers, SCALED 1: each block's sums times the NB * PANEL floats
- * at `scales`). In the body `w` is typed (const float * or const int8_t *), so the same pointer
- * arithmetic addresses either format.
+ * Tiles `tile_MR_NB`: MR rows of x times NB panels starting at `w` (panel j, step kk at
+ * w + j * ps + kk * wk floats: ps = k * PANEL, wk = PANEL when packed; ps = PANEL, wk = ldw in
+ * place), written to y[MR][ncols] with row stride ldy, ncols <= NB * PANEL (the rest of the last
+ * panel is padding). `bias` is NULL or points at NB * PANEL readable floats (the padded bias).
+ * `prefetch` is the tile's PREFETCH_* mode.
  * ------------------------------------------------------------------------------------------- */
 
-typedef void (*tile_fn)(const float *x, int64_t ldx, const void *w, const float *scales,
-                        int64_t k, int64_t ps, int64_t wk, const float *bias, float *y,
-                        int64_t ldy, int64_t ncols, int64_t prefetch);
+typedef void (*tile_fn)(const float *x, int64_t ldx, const float *w, int64_t k, int64_t ps,
+                        int64_t wk, const float *bias, float *y, int64_t ldy, int64_t ncols,
+                        int64_t prefetch);
 
-/* A tile's prefetch distance in k steps for weights of `w`'s element type under mode
- * `prefetch`, 0 for none; and the prefetch of address `a` under that mode. */
-#define PF_STEPS(w) \
+/* A tile's prefetch distance in k steps under mode `prefetch`, 0 for none; and the prefetch of
+ * address `a` under that mode. */
+#define PF_STEPS \
     (MR == 1 || prefetch == PREFETCH_NONE \
          ? 0 \
-         : (prefetch == PREFETCH_L2 ? PF_L2_LINES / NB : PF_NTA_LINES) * \
-               (int64_t)(sizeof(float) / sizeof(*(w))))
+         : (prefetch == PREFETCH_L2 ? PF_L2_LINES / NB : PF_NTA_LINES))
 #define PREFETCH_AT(a) \
     do { \
         if (prefetch == PREFETCH_L2) _mm_prefetch((const char *)(a), _MM_HINT_T1); \
@@ -83,16 +74,12 @@ typedef void (*tile_fn)(const float *x, int64_t ldx, const void *w, const float 
 #define MR_MAX 16
 #define GROUP_ROWS 14 /* default rows per pass over the weights (rows_gemm_set_group_rows) */
 
-/* 16 weights at p as float32. */
-#define WLOAD_F32(p) _mm512_loadu_ps(p)
-#define WLOAD_Q8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-
 /* The running sums of the KBLOCK blocks stay in `part` (the tile's stack frame) and y is
  * written once, at the last block: rows of y whose stride is a multiple of 4 KiB (gate/up
  * products, vocabulary heads) would alias one another in the load/store unit if each block
  * re-read them. */
-#define TILE_BODY(MR, NB, WLOAD, SCALED) \
-    const int64_t pf = PF_STEPS(w); \
+#define TILE_BODY(MR, NB) \
+    const int64_t pf = PF_STEPS; \
     int64_t k0 = 0; \
     __m512 part[MR][NB]; \
     do { \
@@ -107,7 +94,7 @@ _Pragma("GCC unroll 8") \
             __m512 wv[NB]; \
 _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
-                wv[j] = WLOAD(w + j * ps + kk * wk); \
+                wv[j] = _mm512_loadu_ps(w + j * ps + kk * wk); \
                 if (pf) PREFETCH_AT(w + j * ps + (kk + pf) * wk); \
             } \
 _Pragma("GCC unroll 16") \
@@ -125,12 +112,10 @@ _Pragma("GCC unroll 8") \
                 left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); \
             const __m512 b = bias && k1 == k ? _mm512_loadu_ps(bias + j * PANEL) \
                                              : _mm512_setzero_ps(); \
-            const __m512 s = SCALED ? _mm512_loadu_ps(scales + j * PANEL) : _mm512_setzero_ps(); \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
                 float *dst = y + i * ldy + j * PANEL; \
                 __m512 v = acc[i][j]; \
-                if (SCALED) v = _mm512_mul_ps(v, s); \
                 if (k0) v = _mm512_add_ps(part[i][j], v); \
                 if (k1 == k) _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(v, b)); \
                 else part[i][j] = v; \
@@ -161,12 +146,8 @@ static inline __attribute__((always_inline)) void store8(float *dst, __m256 v, i
     }
 }
 
-/* 8 weights at p as float32. */
-#define WLOAD_F32(p) _mm256_loadu_ps(p)
-#define WLOAD_Q8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-
-#define TILE_BODY(MR, NB, WLOAD, SCALED) \
-    const int64_t pf = PF_STEPS(w); \
+#define TILE_BODY(MR, NB) \
+    const int64_t pf = PF_STEPS; \
     int64_t k0 = 0; \
     do { \
         const int64_t k1 = k - k0 < KBLOCK ? k : k0 + KBLOCK; \
@@ -180,8 +161,8 @@ _Pragma("GCC unroll 8") \
             __m256 wl[NB], wh[NB]; \
 _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
-                wl[j] = WLOAD(w + j * ps + kk * wk); \
-                wh[j] = WLOAD(w + j * ps + kk * wk + 8); \
+                wl[j] = _mm256_loadu_ps(w + j * ps + kk * wk); \
+                wh[j] = _mm256_loadu_ps(w + j * ps + kk * wk + 8); \
                 if (pf) PREFETCH_AT(w + j * ps + (kk + pf) * wk); \
             } \
 _Pragma("GCC unroll 16") \
@@ -201,17 +182,10 @@ _Pragma("GCC unroll 8") \
             const int last = k1 == k && bias; \
             const __m256 bl = last ? _mm256_loadu_ps(bias + j * PANEL) : _mm256_setzero_ps(); \
             const __m256 bh = last ? _mm256_loadu_ps(bias + j * PANEL + 8) : _mm256_setzero_ps(); \
-            const __m256 sl = SCALED ? _mm256_loadu_ps(scales + j * PANEL) : _mm256_setzero_ps(); \
-            const __m256 sh = \
-                SCALED ? _mm256_loadu_ps(scales + j * PANEL + 8) : _mm256_setzero_ps(); \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
                 float *dst = y + i * ldy + j * PANEL; \
                 __m256 vl = lo[i][j], vh = hi[i][j]; \
-                if (SCALED) { \
-                    vl = _mm256_mul_ps(vl, sl); \
-                    vh = _mm256_mul_ps(vh, sh); \
-                } \
                 if (k0) { \
                     vl = _mm256_add_ps(load8(dst, left), vl); \
                     vh = _mm256_add_ps(load8(dst + 8, left - 8), vh); \
@@ -228,16 +202,12 @@ _Pragma("GCC unroll 16") \
 #define MR_MAX 4
 #define GROUP_ROWS 4
 
-/* One weight at p as float32. */
-#define WLOAD_F32(p) (*(p))
-#define WLOAD_Q8(p) ((float)*(p))
-
-#define TILE_BODY(MR, NB, WLOAD, SCALED) \
+#define TILE_BODY(MR, NB) \
     for (int j = 0; j < NB; j++) { \
         const int64_t left = ncols - j * PANEL; \
         if (left <= 0) break; \
         const int64_t cols = left < PANEL ? left : PANEL; \
-        const __typeof__(w) wp = w + j * ps; \
+        const float *wp = w + j * ps; \
         int64_t k0 = 0; \
         do { \
             const int64_t k1 = k - k0 < KBLOCK ? k : k0 + KBLOCK; \
@@ -246,13 +216,12 @@ _Pragma("GCC unroll 16") \
             for (int64_t kk = k0; kk < k1; kk++) { \
                 for (int i = 0; i < MR; i++) { \
                     const float xv = x[i * ldx + kk]; \
-                    for (int c = 0; c < PANEL; c++) acc[i][c] += xv * WLOAD(wp + kk * wk + c); \
+                    for (int c = 0; c < PANEL; c++) acc[i][c] += xv * wp[kk * wk + c]; \
                 } \
             } \
             for (int i = 0; i < MR; i++) { \
                 for (int64_t c = 0; c < cols; c++) { \
                     float v = acc[i][c]; \
-                    if (SCALED) v *= scales[j * PANEL + c]; \
                     if (k0) v = y[i * ldy + j * PANEL + c] + v; \
                     if (k1 == k && bias) v += bias[j * PANEL + c]; \
                     y[i * ldy + j * PANEL + c] = v; \
@@ -263,25 +232,19 @@ _Pragma("GCC unroll 16") \
     }
 #endif
 
-#define TILE(NAME, WTYPE, WLOAD, SCALED, MR_, NB_)                                               \
-    static void NAME##_##MR_##_##NB_(const float *x, int64_t ldx, const void *wv,                \
-                                     const float *scales, int64_t k, int64_t ps, int64_t wk,     \
-                                     const float *bias, float *y, int64_t ldy, int64_t ncols,    \
-                                     int64_t prefetch) {                                         \
+#define TILE_F32(MR_, NB_)                                                                       \
+    static void tile_##MR_##_##NB_(const float *x, int64_t ldx, const float *w, int64_t k,       \
+                                   int64_t ps, int64_t wk, const float *bias, float *y,          \
+                                   int64_t ldy, int64_t ncols, int64_t prefetch) {               \
         enum { MR = MR_, NB = NB_ };                                                             \
-        const WTYPE *w = (const WTYPE *)wv;                                                      \
-        (void)scales;                                                                            \
         (void)prefetch;                                                                          \
-        TILE_BODY(MR, NB, WLOAD, SCALED)                                                         \
+        TILE_BODY(MR, NB)                                                                        \
     }
-#define TILE_F32(MR, NB) TILE(tile, float, WLOAD_F32, 0, MR, NB)
-#define TILE_Q8(MR, NB) TILE(tile_q8, int8_t, WLOAD_Q8, 1, MR, NB)
 
 /* Panels per tile for each row count: at most as many accumulators as the registers hold; 7 and
  * 8 rows take two panels, which stream faster than three (docs/benchmarks.md). TILES lists
  * the tiles (MR, NB) to generate; TILE_NB and the tables TILE_MAIN (MR rows, TILE_NB[MR]
- * panels) and TILE_ONE (MR rows, one panel: a run's remainder) are indexed by the weight
- * format (FMT_F32, FMT_Q8), then MR. */
+ * panels) and TILE_ONE (MR rows, one panel: a run's remainder) are indexed by MR. */
 #if defined(ROWS_AVX512)
 #define TILES(T)                                                                                   \
     T(1, 4) T(2, 8) T(3, 6) T(4, 4) T(5, 4) T(6, 4) T(7, 2) T(8, 2) T(9, 2) T(10, 2) T(11, 2)      \
@@ -307,11 +270,7 @@ static const int TILE_NB[MR_MAX + 1] = {0, 1, 1, 1, 1};
 #endif
 
 TILES(TILE_F32)
-TILES(TILE_Q8)
-
-enum { FMT_F32, FMT_Q8 }; /* weight formats: float32, int8 with per-column scales */
-static const int64_t FMT_BYTES[2] = {sizeof(float), sizeof(int8_t)}; /* bytes per weight */
-static const tile_fn TILE_MAIN[2][MR_MAX + 1] = {MAIN_TABLE(tile), MAIN_TABLE(tile_q8)};
-static const tile_fn TILE_ONE[2][MR_MAX + 1] = {ONE_TABLE(tile), ONE_TABLE(tile_q8)};
+static const tile_fn TILE_MAIN[MR_MAX + 1] = MAIN_TABLE(tile);
+static const tile_fn TILE_ONE[MR_MAX + 1] = ONE_TABLE(tile);
 
 #endif

@@ -26,22 +26,24 @@ from engine.spec_decode.tree import DraftTree
 
 
 class Int8Head(nn.Module):
-    """A vocabulary head streamed as int8 weights with one float32 scale per output token (the
-    "rows" kernel's q8 format, `RowsGemm.pack_q8`): a quarter of float32's bytes, for drafting
-    on a CPU, where reading the heads dominates. Sums are float32. Quantising a head can change
-    which tokens are drafted, never which are emitted: the base model verifies every draft."""
+    """A vocabulary head (or projection) as an int8 product (the "rows" kernel's q8 format,
+    `RowsGemm.matmul_q8`): int8 weights with one float32 scale per output token, a quarter of
+    float32's bytes, times each input row quantised to int8, the integer products summed
+    exactly; for drafting on a CPU, where reading the heads and their arithmetic dominate.
+    Quantising can change which tokens are drafted, never which are emitted: the base model
+    verifies every draft."""
 
     def __init__(self, weight: torch.Tensor, lib: RowsGemm) -> None:  # weight [out, in] float32
         super().__init__()
         self.lib = lib
-        self.out_features = weight.shape[0]
-        # [ceil(out / 16), in, 16] int8, [ceil(out / 16) * 16] float32
+        self.out_features, self.in_features = weight.shape
+        # [ceil(out / 16), ceil(in / 4), 16, 4] uint8, [ceil(out / 16) * 16] float32
         self.packed, self.scales = lib.pack_q8(weight.detach().t().contiguous())
 
     def dequantized(self) -> torch.Tensor:  # [out, in] float32
         """The weight this head multiplies by: int8 values times their token's scale."""
-        rows = self.packed.permute(0, 2, 1).flatten(0, 1).float()  # [ceil(out / 16) * 16, in]
-        return (rows * self.scales[:, None])[: self.out_features]
+        q = self.lib.unpack_q8(self.packed, self.in_features)  # [ceil(out / 16) * 16, in]
+        return (q.float() * self.scales[:, None])[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, x.shape[-1])  # [N, in]

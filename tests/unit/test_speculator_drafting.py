@@ -5,9 +5,10 @@ Oracle: `_reference_candidates` walks the top-k tree one node at a time in float
 recurrence in mlp_speculator.py's docstring (`s_{i+1} = GELU(ln_i(proj_i(s_i) + (alpha / beta) *
 emb_i(tok_i)))`, `logits_i = head_i(s_{i+1})`), and picks candidates by the rules the
 `draft_candidates` and `coverage_picks` docstrings state, with none of the module's
-batching, shared projections or host-side bookkeeping. Every test runs twice: on float32 CPU
-tensors drafting uses the fused C kernels of a stage and of a head's top k; with those turned
-off it runs the ATen ops that other devices use.
+batching, shared projections or host-side bookkeeping; where the drafter's projections and
+heads are `Int8Head`s, with their weights and their inputs quantised as those read them. Every
+test runs twice: on float32 CPU tensors drafting uses the fused C kernels of a stage and of a
+head's top k; with those turned off it runs the ATen ops that other devices use.
 """
 
 from __future__ import annotations
@@ -84,6 +85,16 @@ def _as_drafted(
     return drafted
 
 
+def _int8_heads(model: MLPSpeculator) -> bool:
+    return any(isinstance(m, Int8Head) for m in (*model.proj, *model.head))
+
+
+def _as_int8_input(v: torch.Tensor) -> torch.Tensor:
+    """v [d] float64 as an `Int8Head` reads its input row: int8 with scale max |v| / 127."""
+    scale = v.abs().max() / 127
+    return v if scale == 0 else torch.round(v / scale).clamp(-127, 127) * scale
+
+
 @torch.no_grad()
 def _reference_tree(
     model: MLPSpeculator,
@@ -91,9 +102,15 @@ def _reference_tree(
     token: int,
     top_k: tuple[int, ...],
     vocab: list[int] | None,
+    int8_inputs: bool = False,
 ) -> list[list[tuple[tuple[int, ...], float]]]:
     """Per depth, every node of the top-k tree as (path, summed log-probability), in mixed-radix
-    order of the ranks; `vocab` (base ids) restricts the heads, whose weights are the full ones."""
+    order of the ranks; `vocab` (base ids) restricts the heads, whose weights are the full ones.
+    With `int8_inputs` the projections and heads read their inputs as `Int8Head`s do."""
+
+    def read(v: torch.Tensor) -> torch.Tensor:
+        return _as_int8_input(v) if int8_inputs else v
+
     cfg = model.config
     beta = 0.5 ** (0.5 / cfg.n_predict)
     scale = math.sqrt((1 - beta**2) * cfg.inner_dim / 2) / beta
@@ -110,10 +127,10 @@ def _reference_tree(
         head = _param(model.head[i]).double()[columns]  # [V', inner]
         children = []
         for path, score, s, tok in frontier:
-            x = proj @ s + scale * emb[tok]
+            x = proj @ read(s) + scale * emb[tok]
             x = ln_w * x / torch.sqrt(x.pow(2).mean() + 1e-6) + ln_b
             s_next = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
-            logprobs = (head @ s_next).log_softmax(-1).tolist()
+            logprobs = (head @ read(s_next)).log_softmax(-1).tolist()
             ranked = sorted(range(len(columns)), key=lambda c: (-logprobs[c], c))[:k]
             for c in ranked:
                 t = columns[c]
@@ -171,7 +188,9 @@ def _check_against_reference(
     assert paths.shape == (states.shape[0], num, len(top_k)) and paths.dtype == np.int64
     assert scores.shape == (states.shape[0], num) and scores.dtype == np.float32
     for b in range(states.shape[0]):
-        levels = _reference_tree(reference, states[b], int(tokens[b]), top_k, vocab)
+        levels = _reference_tree(
+            reference, states[b], int(tokens[b]), top_k, vocab, _int8_heads(model)
+        )
         expected = _reference_candidates(levels, n, selection)[:num]
         padded = [path + (-1,) * (len(top_k) - len(path)) for path, _ in expected]
         assert [tuple(p) for p in paths[b].tolist()] == padded
@@ -313,7 +332,10 @@ def test_the_proposer_drafts_the_candidates_as_trees() -> None:
     ]
     trees = proposer.propose(inputs)
     for p, tree in zip(inputs, trees, strict=True):
-        levels = _reference_tree(reference, p.hidden_state, p.token_ids[-1], (4, 2, 2), None)
+        levels = _reference_tree(
+            reference, p.hidden_state, p.token_ids[-1], (4, 2, 2), None,
+            _int8_heads(proposer.speculator),
+        )  # fmt: skip
         expected = [path for path, _ in _reference_candidates(levels, 5, "nodes")]  # 15 nodes
         assert tree == DraftTree.from_paths(expected, p.max_depth)
         assert proposer.num_candidates == 15 and len(tree.leaves) == 15
@@ -343,7 +365,10 @@ def test_the_proposer_drafts_the_first_nodes_it_is_asked_for(
     for max_candidates in (1, 2, 5, 9, 15, 20):
         trees = proposer.propose(inputs, max_candidates)
         for p, tree in zip(inputs, trees, strict=True):
-            levels = _reference_tree(reference, p.hidden_state, p.token_ids[-1], (4, 2, 2), columns)
+            levels = _reference_tree(
+                reference, p.hidden_state, p.token_ids[-1], (4, 2, 2), columns,
+                _int8_heads(proposer.speculator),
+            )  # fmt: skip
             nodes = _reference_candidates(levels, 5, "nodes")[:max_candidates]
             assert tree == DraftTree.from_paths([path for path, _ in nodes], p.max_depth)
 
@@ -361,7 +386,7 @@ def test_fused_drafting_refuses_more_tokens_per_head_than_the_heads_score() -> N
     assert tree.num_drafts == 3
 
 
-def test_int8_heads_round_each_weight_to_its_tokens_scale() -> None:
+def test_int8_heads_round_each_weight_and_input_row_to_its_scale() -> None:
     lib = load_rows_gemm()
     assert lib is not None, "rows_gemm.c must build on a machine with a C compiler"
     weight = torch.randn(100, INNER_DIM, generator=torch.Generator().manual_seed(14))  # [out, in]
@@ -375,7 +400,8 @@ def test_int8_heads_round_each_weight_to_its_tokens_scale() -> None:
     x = torch.randn(2, 3, INNER_DIM, generator=torch.Generator().manual_seed(15))
     y = head(x)  # [2, 3, out]
     assert y.shape == (2, 3, 100)
-    expected = x.double() @ dequantized.double().T
+    rows = torch.stack([_as_int8_input(r) for r in x.double().reshape(6, INNER_DIM)])
+    expected = (rows @ dequantized.double().T).view(2, 3, 100)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
 
 
