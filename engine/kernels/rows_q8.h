@@ -12,9 +12,10 @@
  * y[i][c] = ((float)(d - corr[i]) * s_x[i]) * s_w[c] (+ bias[c]).
  *
  * Three bodies, chosen at compile time: AVX-512 VNNI (vpdpbusd: 64 products per instruction),
- * AVX2 (vpmaddwd on bytes widened to 16 bits, one row at a time), portable C. Their sums are
- * the same integers; only the float epilogue's rounding may differ between them (fused or
- * not). Included once, by rows_gemm.c, after rows_tiles.h.
+ * AVX2 (vpmaddwd on bytes widened to 16 bits, a row at a time), portable C. Their sums are
+ * the same integers and, without a bias, their outputs the same floats; the compiler may fuse
+ * a bias's addition into the last product on some paths. Included once, by rows_gemm.c, after
+ * rows_tiles.h.
  */
 #ifndef SPECSERVE_ROWS_Q8_H
 #define SPECSERVE_ROWS_Q8_H
@@ -29,15 +30,6 @@ typedef void (*q8_tile_fn)(const int8_t *xq, int64_t ldq, const int32_t *corr,
                            const float *row_scale, const uint8_t *w, int64_t groups, int64_t ps,
                            const float *scales, const float *bias, float *y, int64_t ldy,
                            int64_t ncols);
-
-/* y[0 .. cols) of one row from its panel's integer sums d [PANEL]. */
-static inline void q8_store(const int32_t *d, int32_t corr, float row_scale, const float *scales,
-                            const float *bias, float *y, int64_t cols) {
-    for (int64_t c = 0; c < cols; c++) {
-        const float v = (float)(d[c] - corr) * row_scale * scales[c];
-        y[c] = bias ? v + bias[c] : v;
-    }
-}
 
 #if defined(ROWS_AVX512) && defined(__AVX512VNNI__)
 #define Q8_ISA "avx512-vnni"
@@ -81,41 +73,56 @@ _Pragma("GCC unroll 16") \
 
 #elif defined(ROWS_AVX512) || defined(ROWS_AVX2)
 #define Q8_ISA "avx2"
-/* A row's sums over one panel: four accumulators of four columns each, lanes (column, k steps
- * 0-1) and (column, k steps 2-3) side by side, added pairwise at the end. */
+/* One row's y over one panel: four accumulators of four columns each, lanes (column, k steps
+ * 0-1) and (column, k steps 2-3) side by side (vpmaddwd on weights widened to 16 bits), added
+ * pairwise at the end. */
+static inline __attribute__((always_inline)) void q8_avx2_row(
+    const int8_t *xq, int32_t corr, float row_scale, const uint8_t *wp, int64_t groups,
+    const float *scales, const float *bias, float *y, int64_t cols) {
+    __m256i a[4];
+    for (int t = 0; t < 4; t++) a[t] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < groups; g++) {
+        int32_t quad;
+        memcpy(&quad, xq + g * Q8_GROUP, sizeof quad);
+        const __m256i xb = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(quad)));
+        for (int t = 0; t < 4; t++) {
+            const __m256i wv = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128((const __m128i *)(wp + g * Q8_GROUP_BYTES + 16 * t)));
+            a[t] = _mm256_add_epi32(a[t], _mm256_madd_epi16(wv, xb));
+        }
+    }
+    float v[PANEL];
+    for (int h = 0; h < 2; h++) { /* columns 8h .. 8h + 7 */
+        const __m256i sums =
+            _mm256_permute4x64_epi64(_mm256_hadd_epi32(a[2 * h], a[2 * h + 1]), 0xD8);
+        __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums, _mm256_set1_epi32(corr)));
+        f = _mm256_mul_ps(_mm256_mul_ps(f, _mm256_set1_ps(row_scale)),
+                          _mm256_loadu_ps(scales + 8 * h));
+        if (bias) f = _mm256_add_ps(f, _mm256_loadu_ps(bias + 8 * h));
+        _mm256_storeu_ps(v + 8 * h, f);
+    }
+    memcpy(y, v, (size_t)cols * sizeof(float));
+}
 #define Q8_TILE_BODY(MR, NB) \
     for (int j = 0; j < NB; j++) { \
         const int64_t left = ncols - j * PANEL; \
         if (left <= 0) break; \
-        const uint8_t *wp = w + j * ps; \
-        for (int i = 0; i < MR; i++) { \
-            __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), \
-                            _mm256_setzero_si256(), _mm256_setzero_si256()}; \
-            const int8_t *xr = xq + i * ldq; \
-            for (int64_t g = 0; g < groups; g++) { \
-                const int16_t x4[4] = {xr[4 * g], xr[4 * g + 1], xr[4 * g + 2], xr[4 * g + 3]}; \
-                int64_t pattern; \
-                memcpy(&pattern, x4, sizeof pattern); \
-                const __m256i xb = _mm256_set1_epi64x(pattern); \
-                const uint8_t *wg = wp + g * Q8_GROUP_BYTES; \
-                for (int t = 0; t < 4; t++) { \
-                    const __m256i wv = \
-                        _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + 16 * t))); \
-                    a[t] = _mm256_add_epi32(a[t], _mm256_madd_epi16(wv, xb)); \
-                } \
-            } \
-            int32_t d[PANEL]; \
-            _mm256_storeu_si256((__m256i *)d, \
-                                _mm256_permute4x64_epi64(_mm256_hadd_epi32(a[0], a[1]), 0xD8)); \
-            _mm256_storeu_si256((__m256i *)(d + 8), \
-                                _mm256_permute4x64_epi64(_mm256_hadd_epi32(a[2], a[3]), 0xD8)); \
-            q8_store(d, corr[i], row_scale[i], scales + j * PANEL, bias ? bias + j * PANEL : 0, \
-                     y + i * ldy + j * PANEL, left < PANEL ? left : PANEL); \
-        } \
+        for (int i = 0; i < MR; i++) \
+            q8_avx2_row(xq + i * ldq, corr[i], row_scale[i], w + j * ps, groups, \
+                        scales + j * PANEL, bias ? bias + j * PANEL : 0, y + i * ldy + j * PANEL, \
+                        left < PANEL ? left : PANEL); \
     }
 
 #else
 #define Q8_ISA "scalar"
+/* y[0 .. cols) of one row from its panel's integer sums d [PANEL]. */
+static inline void q8_store(const int32_t *d, int32_t corr, float row_scale, const float *scales,
+                            const float *bias, float *y, int64_t cols) {
+    for (int64_t c = 0; c < cols; c++) {
+        const float v = (float)(d[c] - corr) * row_scale * scales[c];
+        y[c] = bias ? v + bias[c] : v;
+    }
+}
 #define Q8_TILE_BODY(MR, NB) \
     for (int j = 0; j < NB; j++) { \
         const int64_t left = ncols - j * PANEL; \

@@ -372,6 +372,21 @@ def test_q8_close_to_float(lib: RowsGemm, threads: int) -> None:
         lib.set_threads(before)
 
 
+def test_q8_paths_agree(lib: RowsGemm) -> None:
+    """Every compiled int8 path (AVX-512 VNNI, AVX2, portable C) gives the same floats without a
+    bias: the same integer sums, scaled in the same order."""
+    native = load_rows_gemm("native")
+    assert native is not None
+    g = torch.Generator().manual_seed(11)
+    for k, n in Q8_PACK_SHAPES:
+        packed, scales = lib.pack_q8(torch.randn(k, n, generator=g))
+        for m in (1, 5, 8, 17):
+            x = torch.randn(m, k, generator=g)
+            assert torch.equal(
+                lib.matmul_q8(x, packed, scales, n), native.matmul_q8(x, packed, scales, n)
+            ), (k, n, m)
+
+
 def test_q8_path_follows_the_cpu(lib: RowsGemm) -> None:
     """The int8 product takes AVX-512 VNNI where the AVX-512 build runs on a CPU that has it,
     else AVX2 on the vector builds, and portable C in the scalar one."""
