@@ -58,7 +58,7 @@ _Pragma("GCC unroll 8") \
     for (int j = 0; j < NB; j++) { \
         const int64_t left = ncols - j * PANEL; \
         if (left <= 0) break; \
-        const __mmask16 mask = left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); \
+        const __mmask16 mask = panel_mask(left); \
         const __m512 s = _mm512_loadu_ps(scales + j * PANEL); \
         const __m512 b = bias ? _mm512_loadu_ps(bias + j * PANEL) : _mm512_setzero_ps(); \
 _Pragma("GCC unroll 16") \

@@ -74,6 +74,11 @@ typedef void (*tile_fn)(const float *x, int64_t ldx, const float *w, int64_t k, 
 #define MR_MAX 16
 #define GROUP_ROWS 14 /* default rows per pass over the weights (rows_gemm_set_group_rows) */
 
+/* The lanes of a panel's first `left` columns (all 16 for left >= PANEL). */
+static inline __mmask16 panel_mask(int64_t left) {
+    return left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
 /* The running sums of the KBLOCK blocks stay in `part` (the tile's stack frame) and y is
  * written once, at the last block: rows of y whose stride is a multiple of 4 KiB (gate/up
  * products, vocabulary heads) would alias one another in the load/store unit if each block
@@ -108,8 +113,7 @@ _Pragma("GCC unroll 8") \
         for (int j = 0; j < NB; j++) { \
             const int64_t left = ncols - j * PANEL; \
             if (left <= 0) break; \
-            const __mmask16 mask = \
-                left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); \
+            const __mmask16 mask = panel_mask(left); \
             const __m512 b = bias && k1 == k ? _mm512_loadu_ps(bias + j * PANEL) \
                                              : _mm512_setzero_ps(); \
 _Pragma("GCC unroll 16") \
