@@ -166,9 +166,6 @@ const char *rows_gemm_isa(void) { return ISA_NAME; }
 /* The most rows one tile takes: MR_MAX. */
 int rows_gemm_max_rows(void) { return MR_MAX; }
 
-/* Elements of the packed layout of a [k, n] weight (floats; int8 values for q8). */
-int64_t rows_gemm_packed_size(int64_t k, int64_t n) { return (n + PANEL - 1) / PANEL * PANEL * k; }
-
 /* W^T [k, n] (row stride ldw) -> packed [ceil(n / 16)][k][16], the last panel zero-padded; in
  * pairs (n a multiple of 32), panel 2q from columns 16q and panel 2q + 1 from n/2 + 16q. */
 static void pack(const float *wt, int64_t ldw, int64_t k, int64_t n, float *packed, int pairs) {

@@ -8,8 +8,9 @@
  * [ceil(n / 16)][ceil(k / 4)][16][4] (padding: q_w = 0). Activations: each row i quantised to
  * int8 q_x in [-127, 127] with a float32 scale s_x[i] (`rows_gemm_q8`), [m][ceil(k / 4) * 4]
  * (padding 0), and corr[i] = 128 * sum_k q_x[i][k]. A tile sums the exact integers
- * d = sum_k (q_w + 128) * q_x, so that d - corr[i] = sum_k q_w * q_x, and writes
- * y[i][c] = ((float)(d - corr[i]) * s_x[i]) * s_w[c] (+ bias[c]).
+ * d = sum_k (q_w + 128) * q_x, so that d - corr[i] = sum_k q_w * q_x (|d| <= 255 * 127 * k: exact
+ * in int32 for k up to 66,000), and writes y[i][c] = ((float)(d - corr[i]) * s_x[i]) * s_w[c]
+ * (+ bias[c]).
  *
  * Three bodies, chosen at compile time: AVX-512 VNNI (vpdpbusd: 64 products per instruction),
  * AVX2 (vpmaddwd on bytes widened to 16 bits, a row at a time), portable C. Their sums are
