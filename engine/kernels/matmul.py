@@ -221,8 +221,9 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
     lib = load_rows_gemm()
     if lib is None:
         raise RuntimeError("rows_gemm.c could not be built")
-    n, matmul = layer.out_features, lib.matmul
+    n = layer.out_features
     pairs = layer.gated and n % (2 * lib.PANEL) == 0
+    product = lib.matmul_pairs if pairs else lib.matmul  # y [M, out] in W^T's column order
     onednn = layer.dtype == torch.float32 and torch.backends.mkldnn.is_available()
     large = (_build_onednn if onednn else _build_torch)(layer, shared)
     # [packed W^T [ceil(out/16), in, 16], padded bias [ceil(out/16) * 16] or None, weights_version]
@@ -246,9 +247,7 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
             return large(x)
         if state[2] != layer.weights_version:
             pack()
-        if pairs:
-            return lib.matmul_pairs(x, state[0], n, state[1])  # [M, out]
-        return matmul(x, state[0], n, state[1])  # [M, out]
+        return product(x, state[0], n, state[1])  # [M, out]
 
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
         if x.shape[0] > ROWS_MAX:

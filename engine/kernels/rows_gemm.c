@@ -50,13 +50,12 @@ typedef struct {
     int64_t group; /* rows per pass over the weights, <= MR_MAX */
     int64_t pairs; /* PAIRS_*: how y is written from panels packed in pairs */
     /* q8 products (w NULL; see rows_q8.h): x quantised [m, ldq] with its rows' corrections and
-     * scales, and the weights' byte panels (q8_ps bytes apart) with their column scales */
+     * scales, and the weights' byte panels (ldq * PANEL bytes each) with their column scales */
     const int8_t *xq;
     int64_t ldq;
     const int32_t *corr;
     const float *row_scale;
     const uint8_t *q8;
-    int64_t q8_ps;
     const float *scales;
 } job_t;
 
@@ -91,10 +90,11 @@ static void run_tiles(const job_t *job, int64_t r, int mr, int64_t p0, int64_t p
         const int64_t ncols = left < width ? left : width;
         const float *bias = job->bias ? job->bias + p * PANEL : 0;
         if (job->q8) {
+            const int64_t ps = job->ldq * PANEL; /* bytes per panel */
             (full ? Q8_TILE_MAIN : Q8_TILE_ONE)[mr](
                 job->xq + r * job->ldq, job->ldq, job->corr + r, job->row_scale + r,
-                job->q8 + p * job->q8_ps, job->ldq / Q8_GROUP, job->q8_ps, job->scales + p * PANEL,
-                bias, y + (p - p0) * PANEL, ldy, ncols);
+                job->q8 + p * ps, job->ldq / Q8_GROUP, ps, job->scales + p * PANEL, bias,
+                y + (p - p0) * PANEL, ldy, ncols);
         } else {
             (full ? TILE_MAIN : TILE_ONE)[mr](job->x + r * job->ldx, job->ldx, job->w + p * job->ps,
                                               job->k, job->ps, job->wk, bias, y + (p - p0) * PANEL,
@@ -274,7 +274,8 @@ static void run(job_t job) {
     const int64_t gmax = RELAXED(group_rows), groups = (job.m + gmax - 1) / gmax;
     job.group = (job.m + groups - 1) / groups;
     const int64_t unit = unit_panels(job.group, job.pairs);
-    const int64_t unit_bytes = unit * (job.q8 ? job.q8_ps : job.k * PANEL * (int64_t)sizeof(float));
+    const int64_t panel_bytes = job.q8 ? job.ldq * PANEL : job.k * PANEL * (int64_t)sizeof(float);
+    const int64_t unit_bytes = unit * panel_bytes;
     unit_pool_run(run_units, &job, (npanels + unit - 1) / unit,
                   RELAXED(chunk_bytes) / (unit_bytes > 0 ? unit_bytes : 1));
 }
@@ -348,6 +349,5 @@ void rows_gemm_q8(const float *x, int64_t ldx, const uint8_t *packed, const floa
         corr[i] = 128 * sum;
     }
     run((job_t){.bias = bias, .y = y, .m = m, .k = k, .n = n, .xq = xq, .ldq = ldq,
-                .corr = corr, .row_scale = row_scale, .q8 = packed,
-                .q8_ps = ldq / Q8_GROUP * Q8_GROUP_BYTES, .scales = scales});
+                .corr = corr, .row_scale = row_scale, .q8 = packed, .scales = scales});
 }
