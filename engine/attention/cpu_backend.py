@@ -4,7 +4,9 @@ gathered copy of the context), with causal or tree masks, one call per layer.
 Steps with much attention work (long prompt chunks) go to SDPA through `TorchAttentionBackend`:
 its matrix-product kernels beat the C kernel's dot-product loops there. The C kernel runs on the
 threads of the "rows" matrix kernel's pool (`engine/kernels/unit_pool.h`), in units of one key
-head and a few query rows of one sequence, so that one sequence's attention uses every core.
+head and a few query rows of one sequence, so that one sequence's attention uses every core. It
+writes every layer's output to one buffer (`engine.kernels.buffers`): what a call returns is
+valid until the next call.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from engine.attention.backend import AttentionMetadata, KVCache
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels.buffers import OutputBuffer
 from engine.kernels.cpu import CpuKernels
 from engine.kernels.rows import load_rows_gemm
 
@@ -41,6 +44,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.kernels = kernels
         rows = load_rows_gemm() if parallel else None
         self.pool_run_address = rows.pool_run_address if rows is not None else 0
+        self.output = OutputBuffer()
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         query_lens, seq_lens = metadata.query_lens, metadata.seq_lens
@@ -89,7 +93,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         num_tokens, num_heads, head_dim = q.shape
         key_cache, value_cache = kv_cache
         num_kv_heads = key_cache.shape[2]
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+        out = self.output.take(num_tokens, num_heads, head_dim)
         head = (q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0))
         cache = (key_cache.data_ptr(), value_cache.data_ptr())
         tail = (num_heads, num_kv_heads, head_dim, 1.0 / math.sqrt(head_dim))

@@ -92,20 +92,29 @@ class CpuKernels:
         self._log_softmax_topk = lib.log_softmax_topk
         self.speculator_draft = lib.speculator_draft  # called by FusedNodeDrafting
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x [N, d] (any row stride) -> x * rsqrt(mean(x^2) + eps) * weight, [N, d]."""
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [N, d] (any row stride) -> x * rsqrt(mean(x^2) + eps) * weight, [N, d]: `out`
+        ([N, d] contiguous, not overlapping x) when given, else a new tensor."""
         n, d = x.shape
-        out = torch.empty(n, d, dtype=torch.float32)
+        out = torch.empty(n, d, dtype=torch.float32) if out is None else out
         self._rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, d, eps)
         return out
 
     def add_rms_norm_(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """residual += x in place (residual [N, d] contiguous, x any row stride); returns
-        rms_norm(residual) as a new [N, d] tensor."""
+        rms_norm(residual) [N, d]: `out` ([N, d] contiguous, not overlapping residual) when
+        given, else a new tensor."""
         n, d = residual.shape
-        out = torch.empty(n, d, dtype=torch.float32)
+        out = torch.empty(n, d, dtype=torch.float32) if out is None else out
         self._add_rms_norm(
             x.data_ptr(), x.stride(0), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
             n, d, eps,

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.buffers import OutputBuffer
+
 KernelFn = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -65,6 +67,7 @@ class MatmulLayer(Protocol):
     bias: torch.Tensor | None  # [out]
     weights_version: int  # changes whenever the weights or the bias are written
     gated: bool  # the output features are a gated activation's gate, then its up projection
+    output: OutputBuffer | None  # memory a kernel may return its result in (buffers.py)
 
     def weight_view(self) -> torch.Tensor:
         """W as an [out, in] view of the storage."""
@@ -215,7 +218,8 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
     """The "rows" kernel on a packed copy of the layer's W^T: made now, or at the first call when
     ``lazy`` (so a kernel built before the weights load packs the loaded ones); made again at the
     next call whenever the layer's ``weights_version`` has changed since. Above `ROWS_MAX` rows
-    it runs oneDNN (``F.linear`` where oneDNN is unavailable) on the layer's W^T instead."""
+    it runs oneDNN (``F.linear`` where oneDNN is unavailable) on the layer's W^T instead. It
+    writes its results to the layer's ``output`` buffer when the layer has one."""
     from engine.kernels.rows import load_rows_gemm
 
     lib = load_rows_gemm()
@@ -233,6 +237,8 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
         shared["rows_threads"] = torch.get_num_threads()
         lib.set_threads(shared["rows_threads"])
 
+    output = layer.output
+
     def pack() -> None:
         state[0] = (lib.pack_pairs if pairs else lib.pack)(layer.storage)
         bias = layer.bias
@@ -243,18 +249,22 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
         pack()
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > ROWS_MAX:
+        m = x.shape[0]
+        if m > ROWS_MAX:
             return large(x)
         if state[2] != layer.weights_version:
             pack()
-        return product(x, state[0], n, state[1])  # [M, out]
+        out = None if output is None else output.take(m, n)
+        return product(x, state[0], n, state[1], out=out)  # [M, out]
 
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-        if x.shape[0] > ROWS_MAX:
+        m = x.shape[0]
+        if m > ROWS_MAX:
             return None
         if state[2] != layer.weights_version:
             pack()
-        return lib.matmul_pairs(x, state[0], n, state[1], silu=True)  # [M, out / 2]
+        out = None if output is None else output.take(m, n // 2)
+        return lib.matmul_pairs(x, state[0], n, state[1], silu=True, out=out)  # [M, out / 2]
 
     return GatedKernel(run, silu_and_mul) if pairs else run
 

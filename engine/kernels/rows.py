@@ -174,15 +174,16 @@ class RowsGemm:
         n: int,
         bias: torch.Tensor | None = None,
         silu: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [M, in] float32 (M >= 1) @ W^T of a gated layer packed by ``pack_pairs`` (n = out
         features; ``bias`` from ``pad_bias_pairs``): y [M, n] as ``matmul`` on W^T, or with
         ``silu`` silu(gate) * up [M, n / 2], the same sums through `cpu_math.h`'s
-        `silu_mul`."""
+        `silu_mul`; written to ``out`` (contiguous, of y's shape) when given."""
         if n % (2 * self.PANEL) != 0:
             raise ValueError(f"rows_gemm_pairs: out features {n} not a multiple of 32")
         run, cols = self.lib.rows_gemm_pairs, n // 2 if silu else n
-        return self._product(run, x, (packed.data_ptr(),), n, bias, cols, (int(silu),))
+        return self._product(run, x, (packed.data_ptr(),), n, bias, cols, (int(silu),), out)
 
     def pack_q8(self, wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """W^T [in, out] float32 (last dim contiguous) -> (packed uint8 [ceil(out/16),
@@ -215,11 +216,17 @@ class RowsGemm:
         return out
 
     def matmul(
-        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [M, in] float32 (M >= 1) @ W^T -> y [M, n] float32, W packed by ``pack`` (n = out
-        features); plus ``bias`` from ``pad_bias`` when given."""
-        return self._product(self._run, x, (packed.data_ptr(),), n, bias)
+        features); plus ``bias`` from ``pad_bias`` when given; written to ``out`` ([M, n]
+        contiguous) when given."""
+        return self._product(self._run, x, (packed.data_ptr(),), n, bias, out=out)
 
     def matmul_q8(
         self,
@@ -257,14 +264,16 @@ class RowsGemm:
         bias: torch.Tensor | None,
         cols: int | None = None,
         tail: tuple[int, ...] = (),
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [M, cols]
         """One call of a `rows_gemm*` product, whose arguments are x, its row stride, the
-        weights, the bias or NULL, y ([M, cols], cols = n unless given), then m, k, n and
-        `tail`."""
+        weights, the bias or NULL, y ([M, cols], cols = n unless given: `out` when given, else
+        a new tensor), then m, k, n and `tail`."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
-        y = torch.empty((m, n if cols is None else cols), dtype=torch.float32)
+        shape = (m, n if cols is None else cols)
+        y = torch.empty(shape, dtype=torch.float32) if out is None else out
         bias_ptr = None if bias is None else bias.data_ptr()
         run(x.data_ptr(), x.stride(0), *weights, bias_ptr, y.data_ptr(), m, k, n, *tail)
         return y

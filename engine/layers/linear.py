@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
+from engine.kernels.buffers import OutputBuffer
 from engine.kernels.matmul import GatedKernel, KernelFn, default_plan, torch_kernel
 from engine.kernels.pages import huge_page_zeros
 
@@ -44,13 +45,17 @@ class Linear(torch.nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         gated: bool = False,
+        output: OutputBuffer | None = None,
     ) -> None:
         """`gated`: the output features are a gated activation's gate, then its up projection,
-        of out_features / 2 each (`silu_and_mul`)."""
+        of out_features / 2 each (`silu_and_mul`). `output`: what ``forward`` and
+        ``silu_and_mul`` return may be `output`'s memory, which its next `take` overwrites (a
+        decoder layer's results, used up before the next layer makes them)."""
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.gated = gated
+        self.output = output
         self.dtype = dtype
         self.device = torch.device(device)
         # CPU: W^T [in, out] contiguous. Elsewhere: W [out, in] contiguous.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels.buffers import OutputBuffer
 from engine.kernels.cpu import CpuKernels
 
 
@@ -18,12 +19,16 @@ class RMSNorm(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: CpuKernels | None = None,
+        output: OutputBuffer | None = None,
     ) -> None:
+        """With `kernels`, the normalised rows ``forward`` returns may be `output`'s memory,
+        which its next `take` overwrites."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), False)
         self.eps = eps
         self._eps = torch.tensor(eps, device=device)  # fp32, for addcmul
         self.kernels = kernels
+        self.output = output
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -32,9 +37,10 @@ class RMSNorm(nn.Module):
         (norm(x), x). The returned residual may be `residual` updated in place."""
         kernels = self.kernels
         if kernels is not None:
+            out = None if self.output is None else self.output.take(*x.shape)
             if residual is None:
-                return kernels.rms_norm(x, self.weight, self.eps), x
-            return kernels.add_rms_norm_(x, residual, self.weight, self.eps), residual
+                return kernels.rms_norm(x, self.weight, self.eps, out), x
+            return kernels.add_rms_norm_(x, residual, self.weight, self.eps, out), residual
         if residual is not None:
             x = x + residual
         return self._norm(x), x

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache
+from engine.kernels.buffers import DecoderBuffers
 from engine.kernels.cpu import CpuKernels
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
@@ -56,6 +57,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        buffers: DecoderBuffers,
         kernels: CpuKernels | None = None,
     ) -> None:
         super().__init__()
@@ -67,9 +69,12 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         hidden = config.hidden_size
         self.qkv_proj = Linear(
-            hidden, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype=dtype, device=device
+            hidden, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype=dtype, device=device,
+            output=buffers.qkv,
+        )  # fmt: skip
+        self.o_proj = Linear(
+            self.q_size, hidden, config.o_proj_bias, dtype=dtype, device=device, output=buffers.o
         )
-        self.o_proj = Linear(self.q_size, hidden, config.o_proj_bias, dtype=dtype, device=device)
         self.rotary = rotary
         self.backend = backend
 
@@ -105,6 +110,7 @@ class MLP(nn.Module):
         shard: Shard,
         dtype: torch.dtype,
         device: torch.device,
+        buffers: DecoderBuffers,
         kernels: CpuKernels | None = None,
     ) -> None:
         super().__init__()
@@ -113,9 +119,12 @@ class MLP(nn.Module):
         self.intermediate_size = layout.intermediate_size
         hidden = config.hidden_size
         self.gate_up_proj = Linear(
-            hidden, 2 * self.intermediate_size, dtype=dtype, device=device, gated=True
+            hidden, 2 * self.intermediate_size, dtype=dtype, device=device, gated=True,
+            output=buffers.gate_up,
+        )  # fmt: skip
+        self.down_proj = Linear(
+            self.intermediate_size, hidden, dtype=dtype, device=device, output=buffers.down
         )
-        self.down_proj = Linear(self.intermediate_size, hidden, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
@@ -138,14 +147,17 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        buffers: DecoderBuffers,
         kernels: CpuKernels | None = None,
     ) -> None:
         super().__init__()
-        eps, hidden = config.rms_norm_eps, config.hidden_size
-        self.input_layernorm = RMSNorm(hidden, eps, dtype, device, kernels)
-        self.self_attn = Attention(config, layout, shard, rotary, backend, dtype, device, kernels)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, kernels)
-        self.mlp = MLP(config, layout, shard, dtype, device, kernels)
+        eps, hidden, norm = config.rms_norm_eps, config.hidden_size, buffers.norm
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device, kernels, norm)
+        self.self_attn = Attention(
+            config, layout, shard, rotary, backend, dtype, device, buffers, kernels
+        )
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, kernels, norm)
+        self.mlp = MLP(config, layout, shard, dtype, device, buffers, kernels)
 
     def forward(
         self,
@@ -193,8 +205,11 @@ class LlamaModel(nn.Module):
             if config.tie_word_embeddings
             else nn.Parameter(torch.zeros(vocab, hidden, dtype=dtype, device=device), False)
         )
+        buffers = DecoderBuffers()  # results of small steps, written by each layer in turn
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layout, shard, self.rotary, backend, dtype, device, kernels)
+            DecoderLayer(
+                config, layout, shard, self.rotary, backend, dtype, device, buffers, kernels
+            )
             for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype, device, kernels)

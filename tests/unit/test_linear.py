@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.kernels.autotune import select_kernels
+from engine.kernels.buffers import OutputBuffer
 from engine.kernels.matmul import KERNELS, ROWS_MAX, default_kernel
 from engine.layers.linear import Linear
 
@@ -303,3 +304,36 @@ def test_non_cpu_layout_is_plain() -> None:
     assert layer(torch.empty(3, 8, device="meta")).shape == (3, 6)
     assert layer.embedding_rows(torch.tensor([1, 2], device="meta")).shape == (2, 8)
     assert select_kernels([layer]).chosen == {}
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_results_in_a_shared_buffer_are_right_until_its_next_take(gated: bool) -> None:
+    """Two layers with one output buffer: each product (and fused SiLU x up) is right when
+    returned, in the buffer's memory, which the next call of either layer writes over; above
+    its rows, and for a layer without a buffer, every call returns memory of its own."""
+    k, n = 64, 96
+    plain, w, _ = make(k, n, bias=False)
+    _, w2, _ = make(k, n, bias=False, seed=1)
+    buffer = OutputBuffer()
+    first = Linear(k, n, dtype=torch.float32, device="cpu", gated=gated, output=buffer)
+    second = Linear(k, n, dtype=torch.float32, device="cpu", gated=gated, output=buffer)
+    first.load_rows(0, w)
+    second.load_rows(0, w2)
+    g = torch.Generator().manual_seed(2)
+    x1, x2 = torch.randn((5, k), generator=g), torch.randn((3, k), generator=g)
+    y1 = first.forward(x1)
+    check(y1, oracle(x1, w, None))
+    y2 = second.forward(x2)
+    check(y2, oracle(x2, w2, None))
+    assert y2.data_ptr() == y1.data_ptr() and torch.equal(y1[:3], y2)
+    if gated:
+        gate, up = oracle(x2, w, None).chunk(2, dim=-1)
+        s = first.silu_and_mul(x2)
+        assert s is not None
+        check(s, torch.nn.functional.silu(gate) * up)
+    big = torch.randn((buffer.max_rows + 1, k), generator=g)
+    z1, z2 = first.forward(big), first.forward(big)
+    assert z1.data_ptr() != z2.data_ptr()
+    check(z1, oracle(big, w, None))
+    a, b = plain.forward(x2), plain.forward(x2)
+    assert a.data_ptr() != b.data_ptr()

@@ -6,8 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM
+from engine.model_runner import SequenceInput
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
 
 MAX_NEW = 64
@@ -92,3 +94,23 @@ def test_smollm2_block_size_independent(smollm2: LLM, smollm2_path: Path) -> Non
         outs = llm.generate(prompts, 16)
         assert [o.token_ids for o in outs] == [o.token_ids for o in base]
         llm.kv.check_integrity()
+
+
+def test_step_outputs_outlive_the_next_step(tiny: LLM, tiny_path: Path) -> None:
+    """A decode step's logits and hidden states stay as they were through the next steps (a
+    decoder layer's outputs reuse memory from step to step; what a step returns must not)."""
+    prompt = list(chat_prompt_ids(tiny_path)[0])
+    kv, runner, vocab = tiny.kv, tiny.runner, tiny.runner.config.vocab_size
+    kv.allocate_slots("outlive", len(prompt) + 3)
+    try:
+        table = kv.block_table("outlive")
+        token = int(runner.execute([SequenceInput(prompt, 0, table)]).logits[-1].argmax())
+        first = runner.execute([SequenceInput([token], len(prompt), table)])
+        logits, hidden = first.logits.clone(), first.hidden_states.clone()
+        for i in (1, 2):
+            step = SequenceInput([(token + i) % vocab], len(prompt) + i, table)
+            assert not torch.equal(runner.execute([step]).hidden_states, hidden)
+        assert torch.equal(first.logits, logits)
+        assert torch.equal(first.hidden_states, hidden)
+    finally:
+        kv.free("outlive")
