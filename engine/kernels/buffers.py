@@ -1,13 +1,10 @@
 """Output memory that a CPU step's small products and norms share from layer to layer.
 
-A decode or verify step makes a few small float32 results per decoder layer. Allocated afresh,
-each lands in a block the allocator freed a moment ago, whose lines the other pool thread has
-often just read or written: before this thread's stores, the other core's copies must go. One
-buffer per role (the norm's output, the QKV product's, ...), written by every layer in turn, is
-memory that neither core touched during the layer in between, already in the shared cache: the
-same stores cost less, for one row as for several (docs/benchmarks.md, "Output buffers shared
-by the layers").
-"""
+A decode or verify step makes a few small float32 results per decoder layer. Rather than a new
+tensor each (an allocation, in a block that the other pool thread has often just used), each
+role (the norms' output, the QKV product's, ...) has one buffer that every layer writes in turn:
+a result is used up within its layer (docs/benchmarks.md, "Output buffers shared by the
+layers")."""
 
 from __future__ import annotations
 
