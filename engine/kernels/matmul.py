@@ -27,6 +27,7 @@ concurrent calls from several threads (the MLAS kernel reuses one onnxruntime bi
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -225,7 +226,7 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
     lib = load_rows_gemm()
     if lib is None:
         raise RuntimeError("rows_gemm.c could not be built")
-    n = layer.out_features
+    n, output = layer.out_features, layer.output  # output None: new tensors each call
     pairs = layer.gated and n % (2 * lib.PANEL) == 0
     product = lib.matmul_pairs if pairs else lib.matmul  # y [M, out] in W^T's column order
     onednn = layer.dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -237,8 +238,6 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
         shared["rows_threads"] = torch.get_num_threads()
         lib.set_threads(shared["rows_threads"])
 
-    output = layer.output
-
     def pack() -> None:
         state[0] = (lib.pack_pairs if pairs else lib.pack)(layer.storage)
         bias = layer.bias
@@ -249,32 +248,26 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
         pack()
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        if m > ROWS_MAX:
+        if x.shape[0] > ROWS_MAX:
             return large(x)
         if state[2] != layer.weights_version:
             pack()
-        out = None if output is None else output.take(m, n)
+        out = None if output is None else output.take(x.shape[0], n)
         return product(x, state[0], n, state[1], out=out)  # [M, out]
 
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-        m = x.shape[0]
-        if m > ROWS_MAX:
+        if x.shape[0] > ROWS_MAX:
             return None
         if state[2] != layer.weights_version:
             pack()
-        out = None if output is None else output.take(m, n // 2)
+        out = None if output is None else output.take(x.shape[0], n // 2)
         return lib.matmul_pairs(x, state[0], n, state[1], silu=True, out=out)  # [M, out / 2]
 
     return GatedKernel(run, silu_and_mul) if pairs else run
 
 
-def _build_rows(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
-    return _rows_kernel(layer, shared, lazy=False)
-
-
-def _build_rows_lazy(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
-    return _rows_kernel(layer, shared, lazy=True)
+_build_rows = functools.partial(_rows_kernel, lazy=False)
+_build_rows_lazy = functools.partial(_rows_kernel, lazy=True)
 
 
 def _has_rows_gemm(layer: MatmulLayer) -> bool:

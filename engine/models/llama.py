@@ -2,9 +2,8 @@
 `engine.models.config`) over a paged KV cache.
 
 The model takes one flat batch of new tokens from many sequences (prompt chunks, decode tokens,
-draft-tree tokens) and explicit attention metadata; it never sees requests or sequences.
-`qkv_proj` and `gate_up_proj` each fuse several projections into one matrix product: the output's
-columns are q, k, v by heads, and gate then up.
+draft-tree tokens) and explicit attention metadata; it never sees requests or sequences. Its
+layers are `engine.models.decoder`'s.
 
 With `kernels` (CPU float32), the glue between matrix products runs as fused C kernels
 (`engine/kernels/cpu.py`): residual add + RMSNorm, RoPE in place, SiLU-and-mul (inside the
@@ -31,7 +30,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache
@@ -39,138 +37,13 @@ from engine.kernels.buffers import DecoderBuffers
 from engine.kernels.cpu import CpuKernels
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RopeStep, RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import LlamaConfig
+from engine.models.decoder import DecoderLayer
 from engine.models.loader import WeightTarget
 from engine.parallel.shard import Shard, ShardLayout
 
 __all__ = ["LlamaConfig", "LlamaModel"]
-
-
-class Attention(nn.Module):
-    def __init__(
-        self,
-        config: LlamaConfig,
-        layout: ShardLayout,
-        shard: Shard,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-        buffers: DecoderBuffers,
-        kernels: CpuKernels | None = None,
-    ) -> None:
-        super().__init__()
-        self.kernels = kernels
-        self.shard = shard
-        self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        hidden = config.hidden_size
-        self.qkv_proj = Linear(
-            hidden, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype=dtype, device=device,
-            output=buffers.qkv,
-        )  # fmt: skip
-        self.o_proj = Linear(
-            self.q_size, hidden, config.o_proj_bias, dtype=dtype, device=device, output=buffers.o
-        )
-        self.rotary = rotary
-        self.backend = backend
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [N, hidden]
-        rope: RopeStep,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [N, hidden]
-        n, q_size, kv_size = x.shape[0], self.q_size, self.kv_size
-        qkv = self.qkv_proj.forward(x)  # [N, q_size + 2 * kv_size]
-        if rope.cos_sin is None:
-            assert self.kernels is not None
-            heads = self.num_heads + self.num_kv_heads
-            self.kernels.rope_(qkv, heads, self.head_dim, self.rotary.table, rope.positions)
-            q = qkv[:, :q_size].view(n, self.num_heads, self.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(n, self.num_kv_heads, self.head_dim)
-        else:
-            qk = qkv[:, : q_size + kv_size].view(n, -1, self.head_dim)
-            qk = self.rotary.rotate(qk, rope.cos_sin)  # [N, H + kvH, D]
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, attn_metadata)  # [N, H, D]
-        return self.shard.all_reduce_(self.o_proj.forward(out.reshape(n, self.q_size)))
-
-
-class MLP(nn.Module):
-    def __init__(
-        self,
-        config: LlamaConfig,
-        layout: ShardLayout,
-        shard: Shard,
-        dtype: torch.dtype,
-        device: torch.device,
-        buffers: DecoderBuffers,
-        kernels: CpuKernels | None = None,
-    ) -> None:
-        super().__init__()
-        self.kernels = kernels
-        self.shard = shard
-        self.intermediate_size = layout.intermediate_size
-        hidden = config.hidden_size
-        self.gate_up_proj = Linear(
-            hidden, 2 * self.intermediate_size, dtype=dtype, device=device, gated=True,
-            output=buffers.gate_up,
-        )  # fmt: skip
-        self.down_proj = Linear(
-            self.intermediate_size, hidden, dtype=dtype, device=device, output=buffers.down
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            h = self.gate_up_proj.silu_and_mul(x)  # [N, intermediate], or None: not fused
-            if h is None:
-                h = self.kernels.silu_and_mul(self.gate_up_proj.forward(x))
-        else:
-            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        return self.shard.all_reduce_(self.down_proj.forward(h))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: LlamaConfig,
-        layout: ShardLayout,
-        shard: Shard,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-        buffers: DecoderBuffers,
-        kernels: CpuKernels | None = None,
-    ) -> None:
-        super().__init__()
-        eps, hidden, norm = config.rms_norm_eps, config.hidden_size, buffers.norm
-        self.input_layernorm = RMSNorm(hidden, eps, dtype, device, kernels, norm)
-        self.self_attn = Attention(
-            config, layout, shard, rotary, backend, dtype, device, buffers, kernels
-        )
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, kernels, norm)
-        self.mlp = MLP(config, layout, shard, dtype, device, buffers, kernels)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [N, hidden]: the previous layer's MLP output, or the embeddings
-        residual: torch.Tensor | None,  # [N, hidden]: the residual stream before x is added
-        rope: RopeStep,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream before it)
-        h, residual = self.input_layernorm.forward(x, residual)
-        h = self.self_attn.forward(h, rope, kv_cache, attn_metadata)
-        h, residual = self.post_attention_layernorm.forward(h, residual)
-        return self.mlp.forward(h), residual
 
 
 class LlamaModel(nn.Module):
