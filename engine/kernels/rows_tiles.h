@@ -79,6 +79,19 @@ static inline __mmask16 panel_mask(int64_t left) {
     return left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
 }
 
+/* acc + w * x[0] in all lanes, as _mm512_fmadd_ps(_mm512_set1_ps(*x), w, acc) (the same rounding)
+ * but in one instruction whose memory operand is broadcast, where the compiler would load the
+ * broadcast into a register first. Tiles of BCAST_FMA_ROWS rows or more use it: a step of k then
+ * takes MR fewer instructions, so more steps, and more lines of weights in flight, fit in the
+ * core's reorder window; tiles of fewer rows and more panels load x more often this way than they
+ * save (docs/benchmarks.md). */
+#define BCAST_FMA_ROWS 5
+static inline __attribute__((always_inline)) __m512 fmadd_bcast(const float *x, __m512 w,
+                                                                __m512 acc) {
+    __asm__("vfmadd231ps %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*x));
+    return acc;
+}
+
 /* The running sums of the KBLOCK blocks stay in `part` (the tile's stack frame) and y is
  * written once, at the last block: rows of y whose stride is a multiple of 4 KiB (gate/up
  * products, vocabulary heads) would alias one another in the load/store unit if each block
@@ -104,9 +117,15 @@ _Pragma("GCC unroll 8") \
             } \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
-                const __m512 xb = _mm512_set1_ps(x[i * ldx + kk]); \
+                if (MR >= BCAST_FMA_ROWS) { \
 _Pragma("GCC unroll 8") \
-                for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xb, wv[j], acc[i][j]); \
+                    for (int j = 0; j < NB; j++) \
+                        acc[i][j] = fmadd_bcast(x + i * ldx + kk, wv[j], acc[i][j]); \
+                } else { \
+                    const __m512 xb = _mm512_set1_ps(x[i * ldx + kk]); \
+_Pragma("GCC unroll 8") \
+                    for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xb, wv[j], acc[i][j]); \
+                } \
             } \
         } \
 _Pragma("GCC unroll 8") \
