@@ -264,18 +264,19 @@ _Pragma("GCC unroll 16") \
         TILE_BODY(MR, NB)                                                                        \
     }
 
-/* Panels per tile for each row count: at most as many accumulators as the registers hold; 7 and
- * 8 rows take two panels, which stream faster than three (docs/benchmarks.md). TILES lists
+/* Panels per tile for each row count: at most as many accumulators as the registers hold; 4 rows
+ * take six panels, which stream faster than four, and 7 and 8 rows two, which stream faster
+ * than three (docs/benchmarks.md). TILES lists
  * the tiles (MR, NB) to generate; TILE_NB and the tables TILE_MAIN (MR rows, TILE_NB[MR]
  * panels) and TILE_ONE (MR rows, one panel: a run's remainder) are indexed by MR. */
 #if defined(ROWS_AVX512)
 #define TILES(T)                                                                                   \
-    T(1, 4) T(2, 8) T(3, 6) T(4, 4) T(5, 4) T(6, 4) T(7, 2) T(8, 2) T(9, 2) T(10, 2) T(11, 2)      \
+    T(1, 4) T(2, 8) T(3, 6) T(4, 6) T(5, 4) T(6, 4) T(7, 2) T(8, 2) T(9, 2) T(10, 2) T(11, 2)      \
     T(12, 2) T(13, 2) T(14, 2) T(15, 1) T(16, 1) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1)   \
     T(7, 1) T(8, 1) T(9, 1) T(10, 1) T(11, 1) T(12, 1) T(13, 1) T(14, 1)
-static const int TILE_NB[MR_MAX + 1] = {0, 4, 8, 6, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1};
+static const int TILE_NB[MR_MAX + 1] = {0, 4, 8, 6, 6, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1};
 #define MAIN_TABLE(P)                                                                              \
-    {0, P##_1_4, P##_2_8, P##_3_6, P##_4_4, P##_5_4, P##_6_4, P##_7_2, P##_8_2, P##_9_2,           \
+    {0, P##_1_4, P##_2_8, P##_3_6, P##_4_6, P##_5_4, P##_6_4, P##_7_2, P##_8_2, P##_9_2,           \
      P##_10_2, P##_11_2, P##_12_2, P##_13_2, P##_14_2, P##_15_1, P##_16_1}
 #define ONE_TABLE(P)                                                                               \
     {0, P##_1_1, P##_2_1, P##_3_1, P##_4_1, P##_5_1, P##_6_1, P##_7_1, P##_8_1, P##_9_1,           \
