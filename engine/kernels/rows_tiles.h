@@ -266,9 +266,9 @@ _Pragma("GCC unroll 16") \
 
 /* Panels per tile for each row count: at most as many accumulators as the registers hold; 4 rows
  * take six panels, which stream faster than four, and 7 and 8 rows two, which stream faster
- * than three (docs/benchmarks.md). TILES lists
- * the tiles (MR, NB) to generate; TILE_NB and the tables TILE_MAIN (MR rows, TILE_NB[MR]
- * panels) and TILE_ONE (MR rows, one panel: a run's remainder) are indexed by MR. */
+ * than three (docs/benchmarks.md). TILES lists the tiles (MR, NB) to generate; TILE_NB and the
+ * tables TILE_MAIN (MR rows, TILE_NB[MR] panels) and TILE_ONE (MR rows, one panel: a run's
+ * remainder) are indexed by MR. */
 #if defined(ROWS_AVX512)
 #define TILES(T)                                                                                   \
     T(1, 4) T(2, 8) T(3, 6) T(4, 6) T(5, 4) T(6, 4) T(7, 2) T(8, 2) T(9, 2) T(10, 2) T(11, 2)      \
