@@ -1,11 +1,14 @@
 """A Llama decoder layer: attention and a gated MLP, each after an RMSNorm fused with the residual
 add (`engine.models.llama` stacks them). `qkv_proj` and `gate_up_proj` each fuse several
 projections into one matrix product: the output's columns are q, k, v by heads, and gate then up.
-With `kernels` (CPU float32), RoPE, SiLU-and-mul and the norms run as fused C kernels; without
-them, as ATen ops. The layers of one model write their small results to shared buffers
-(`DecoderBuffers`): each is used up within its layer."""
+Every layer of a model is built from the same `DecoderParts`. With `kernels` (CPU float32), RoPE,
+SiLU-and-mul and the norms run as fused C kernels; without them, as ATen ops. The layers of one
+model write their small results to shared buffers (`DecoderBuffers`): each is used up within its
+layer."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,22 +24,28 @@ from engine.models.config import LlamaConfig
 from engine.parallel.shard import Shard, ShardLayout
 
 
+@dataclass(frozen=True)
+class DecoderParts:
+    """What each decoder layer of one model is built from, the same for every layer."""
+
+    config: LlamaConfig
+    layout: ShardLayout  # this rank's share of heads and features
+    shard: Shard
+    rotary: RotaryEmbedding
+    backend: AttentionBackend
+    dtype: torch.dtype
+    device: torch.device
+    buffers: DecoderBuffers
+    kernels: CpuKernels | None = None
+
+
 class Attention(nn.Module):
-    def __init__(
-        self,
-        config: LlamaConfig,
-        layout: ShardLayout,
-        shard: Shard,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-        buffers: DecoderBuffers,
-        kernels: CpuKernels | None = None,
-    ) -> None:
+    def __init__(self, parts: DecoderParts) -> None:
         super().__init__()
-        self.kernels = kernels
-        self.shard = shard
+        config, layout, buffers = parts.config, parts.layout, parts.buffers
+        dtype, device = parts.dtype, parts.device
+        self.kernels = parts.kernels
+        self.shard = parts.shard
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -49,8 +58,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(
             self.q_size, hidden, config.o_proj_bias, dtype=dtype, device=device, output=buffers.o
         )
-        self.rotary = rotary
-        self.backend = backend
+        self.rotary = parts.rotary
+        self.backend = parts.backend
 
     def forward(
         self,
@@ -77,21 +86,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(
-        self,
-        config: LlamaConfig,
-        layout: ShardLayout,
-        shard: Shard,
-        dtype: torch.dtype,
-        device: torch.device,
-        buffers: DecoderBuffers,
-        kernels: CpuKernels | None = None,
-    ) -> None:
+    def __init__(self, parts: DecoderParts) -> None:
         super().__init__()
-        self.kernels = kernels
-        self.shard = shard
-        self.intermediate_size = layout.intermediate_size
-        hidden = config.hidden_size
+        buffers, dtype, device = parts.buffers, parts.dtype, parts.device
+        self.kernels = parts.kernels
+        self.shard = parts.shard
+        self.intermediate_size = parts.layout.intermediate_size
+        hidden = parts.config.hidden_size
         self.gate_up_proj = Linear(
             hidden, 2 * self.intermediate_size, dtype=dtype, device=device, gated=True,
             output=buffers.gate_up,
@@ -112,26 +113,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: LlamaConfig,
-        layout: ShardLayout,
-        shard: Shard,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-        buffers: DecoderBuffers,
-        kernels: CpuKernels | None = None,
-    ) -> None:
+    def __init__(self, parts: DecoderParts) -> None:
         super().__init__()
-        eps, hidden, norm = config.rms_norm_eps, config.hidden_size, buffers.norm
+        config, kernels, norm = parts.config, parts.kernels, parts.buffers.norm
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        dtype, device = parts.dtype, parts.device
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device, kernels, norm)
-        self.self_attn = Attention(
-            config, layout, shard, rotary, backend, dtype, device, buffers, kernels
-        )
+        self.self_attn = Attention(parts)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, kernels, norm)
-        self.mlp = MLP(config, layout, shard, dtype, device, buffers, kernels)
+        self.mlp = MLP(parts)
 
     def forward(
         self,

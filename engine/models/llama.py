@@ -39,7 +39,7 @@ from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import LlamaConfig
-from engine.models.decoder import DecoderLayer
+from engine.models.decoder import DecoderLayer, DecoderParts
 from engine.models.loader import WeightTarget
 from engine.parallel.shard import Shard, ShardLayout
 
@@ -78,13 +78,12 @@ class LlamaModel(nn.Module):
             if config.tie_word_embeddings
             else nn.Parameter(torch.zeros(vocab, hidden, dtype=dtype, device=device), False)
         )
-        buffers = DecoderBuffers()  # results of small steps, written by each layer in turn
-        self.layers = nn.ModuleList(
-            DecoderLayer(
-                config, layout, shard, self.rotary, backend, dtype, device, buffers, kernels
-            )
-            for _ in range(config.num_layers)
-        )
+        parts = DecoderParts(
+            config, layout, shard, self.rotary, backend, dtype, device,
+            DecoderBuffers(),  # results of small steps, written by each layer in turn
+            kernels,
+        )  # fmt: skip
+        self.layers = nn.ModuleList(DecoderLayer(parts) for _ in range(config.num_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype, device, kernels)
         tied_scale = config.embedding_multiplier * config.logits_scaling
         # What `embed` multiplies the tied table's rows by; None: nothing (untied, or neutral).
