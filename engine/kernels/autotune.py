@@ -48,9 +48,9 @@ class KernelTable:
     """M -> {variant: ms of one pass over all layers}: "per shape" (the per-shape choices) and
     "all NAME" (kernel NAME on every layer), what decided the plan (see ``select_kernels``)."""
     rows_prefetch: dict[int, dict[str, float]] = field(default_factory=dict)
-    """M -> the "rows" kernel's prefetch modes tried -> the median over rounds of a pass over all
-    layers in that mode, as a multiple of the round's fastest mode (see ``select_kernels``);
-    empty if not tried."""
+    """M -> the "rows" kernel's prefetch modes tried -> the median, over the faster half of the
+    rounds, of a pass over all layers in that mode as a multiple of the round's fastest mode (see
+    ``select_kernels``); empty if not tried."""
     shared: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def format(self) -> str:
@@ -152,6 +152,16 @@ def _time_passes(
     return best
 
 
+def faster_rounds_medians(times: dict[str, list[float]]) -> dict[str, float]:
+    """Variant -> its times over rounds (every list as long, the variants of a round timed back to
+    back) -> variant -> the median, over the faster half of the rounds (those whose fastest
+    variant took least; the middle round too where there is an odd number), of its time over
+    its round's fastest variant's."""
+    fastest = [min(round_times) for round_times in zip(*times.values(), strict=True)]
+    faster_half = sorted(range(len(fastest)), key=lambda r: fastest[r])[: (len(fastest) + 1) // 2]
+    return {v: statistics.median(t[r] / fastest[r] for r in faster_half) for v, t in times.items()}
+
+
 def _tune_rows_prefetch(
     rows_fns: list[KernelFn], in_features: list[int], m_values: Sequence[int], rounds: int
 ) -> dict[int, dict[str, float]]:
@@ -159,10 +169,13 @@ def _tune_rows_prefetch(
     in_features) at each M of `m_values` from 2 to the kernel's ``group_rows`` (one tile each;
     ``group_rows`` itself too where `m_values` goes beyond it) under each of `PREFETCH_MODES`, in
     turn `rounds` times after a warm-up. Tiles of each row count get the mode with the least
-    median, over rounds, of its pass time over the round's fastest mode's at the timed M nearest
-    it (by ratio, the smaller on a tie): memory bandwidth on a shared host changes between
-    rounds, by more than the modes differ, so each round's modes (timed back to back) are
-    compared with one another, and a mode that is best in only some rounds is not the best.
+    median, over the faster half of the rounds, of its pass time over the round's fastest mode's
+    at the timed M nearest it (by ratio, the smaller on a tie). Memory bandwidth on a shared host
+    changes between rounds, by more than the modes differ, so each round's modes (timed back to
+    back) are compared with one another, and a mode that is best in only some rounds is not the
+    best. The faster rounds decide: while memory is slow every mode streams at its speed and the
+    modes come out nearly even; fast memory shows how far the arithmetic of several rows holds
+    the stream back, which is what prefetching changes.
     Returns M -> mode -> that median (empty, the settings untouched, when no M is in range)."""
     from engine.kernels.rows import PREFETCH_MODES, load_rows_gemm
 
@@ -188,12 +201,7 @@ def _tune_rows_prefetch(
                     fn(x)
                 if r:
                     times[m][mode].append((time.perf_counter() - t0) * 1e3)
-    medians: dict[int, dict[str, float]] = {}
-    for m, by in times.items():
-        fastest = [min(round_times) for round_times in zip(*by.values(), strict=True)]
-        medians[m] = {
-            v: statistics.median(t / f for t, f in zip(by[v], fastest, strict=True)) for v in by
-        }
+    medians = {m: faster_rounds_medians(by) for m, by in times.items()}
     for rows in range(2, lib.max_rows + 1):
         nearest = min(ms, key=lambda m: (abs(math.log(m / rows)), m))
         lib.set_prefetch(min(medians[nearest], key=lambda v: medians[nearest][v]), rows)

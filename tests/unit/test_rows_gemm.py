@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels.autotune import select_kernels
+from engine.kernels.autotune import faster_rounds_medians, select_kernels
 from engine.kernels.cpu import load_cpu_kernels
 from engine.kernels.matmul import KERNELS
 from engine.kernels.rows import PREFETCH_MODES, RowsGemm, load_rows_gemm
@@ -215,6 +215,23 @@ def test_gated_linear_fuses_where_the_rows_kernel_serves() -> None:
         table = select_kernels([layer], m_values=(1, 8), kernels=["rows"], target_s=2e-4)
         assert table.chosen[(64, 96)] == {1: "rows", 8: "rows"}
     assert Linear(64, 96, dtype=torch.float32, device="cpu").silu_and_mul(x[:1]) is None
+
+
+def test_prefetch_modes_compared_in_the_faster_rounds() -> None:
+    # Five rounds on a host whose memory is slow in three: there "l2" trails "none" by 1%; in
+    # the two fast rounds it leads by 20%. The median over all rounds would choose "none" (1.0
+    # against 1.01); over the faster half (rounds 1, 3 and the fastest slow one, 4) it is "l2".
+    times = {
+        "none": [17.0, 12.0, 17.4, 13.2, 16.5],
+        "l2": [17.17, 10.0, 17.574, 11.0, 16.665],
+    }
+    medians = faster_rounds_medians(times)
+    assert medians["l2"] == 1.0
+    assert medians["none"] == pytest.approx(1.2)
+    # with only slow rounds, the 1% decides
+    slow = faster_rounds_medians({v: [t[0], t[2], t[4]] for v, t in times.items()})
+    assert slow["none"] == 1.0
+    assert slow["l2"] == pytest.approx(1.01)
 
 
 def test_registered_and_selected_as_exact() -> None:
