@@ -39,6 +39,7 @@ from bench.common import best_of, engine_step, interleaved_min, interleaved_roun
 from engine import LLM
 from engine.config import CANDIDATE_SELECTIONS
 from engine.kernels.matmul import KERNELS
+from engine.kernels.rows import load_rows_gemm
 from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
 from engine.spec_decode.loader import load_speculator
@@ -204,6 +205,12 @@ def main() -> None:
         f"from {num_draft_tokens} tokens (the whole tree with nn.Linear: "
         f"{plain_draft_s * 1e3:.2f})"
     )
+    lib = load_rows_gemm()
+    if lib is not None:  # the start-up's choice, which the multi-row steps' costs depend on
+        prefetch = {rows: lib.prefetch(rows) for rows in range(2, lib.max_rows + 1)}
+        result["rows_prefetch"] = prefetch
+        modes = " ".join(f"{rows}:{mode}" for rows, mode in prefetch.items())
+        print(f"rows kernel ({lib.isa}) prefetch by tile rows: {modes}")
     print(f"{'rows':>5} {'verify':>8} {'matmuls':>8} {'drafting':>9} {'verify/matmuls':>15} "
           f"{'verify/plain':>13} {'(verify+draft)/plain':>21} {'paired':>7}")  # fmt: skip
     for c in costs:
