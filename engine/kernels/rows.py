@@ -118,7 +118,8 @@ class RowsGemm:
 
     def set_group_rows(self, rows: int) -> None:
         """Rows per pass over the weights (clamped to 1..the path's tile limit); more rows are
-        served in equal groups, the later ones reading the weights from cache."""
+        served in groups (of equal size, or on AVX2 full groups and the rest), the later ones
+        reading the weights from cache."""
         self.lib.rows_gemm_set_group_rows(rows)
 
     @property

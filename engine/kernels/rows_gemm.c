@@ -4,9 +4,10 @@
  * The weights are packed once (`rows_gemm_pack`) into column panels of PANEL = 16 floats,
  * [ceil(N / 16)][K][16] contiguous, the last panel zero-padded; the tiles (rows_tiles.h) stream
  * them, each weight loaded once per pass for all rows of the pass. A pass takes up to
- * `group_rows` rows (MR_MAX at most: 16 on AVX-512); more rows are served in equal groups that
- * run over the same run of panels one after another, the later groups reading its weights from
- * cache.
+ * `group_rows` rows (MR_MAX at most: 16 on AVX-512); more rows are served in groups that run
+ * over the same run of panels one after another, the later groups reading its weights from
+ * cache: groups of equal size or, where the path's widest tile does the most arithmetic per
+ * cycle (FILL_GROUPS, rows_tiles.h), full groups and the rest.
  *
  * int8 ("q8", for memory-bound products whose result may be approximate, such as a draft
  * model's vocabulary head): `rows_gemm_pack_q8` quantises W^T symmetrically per output column j,
@@ -238,7 +239,7 @@ int rows_gemm_get_threads(void) { return unit_pool_get_threads(); }
 
 int rows_gemm_get_group_rows(void) { return RELAXED(group_rows); }
 
-/* Rows per pass over the weights (1 .. MR_MAX): more rows are served in equal groups. */
+/* Rows per pass over the weights (1 .. MR_MAX): more rows are served in groups (see above). */
 void rows_gemm_set_group_rows(int rows) {
     rows = rows < 1 ? 1 : rows > MR_MAX ? MR_MAX : rows;
     __atomic_store_n(&group_rows, rows, __ATOMIC_RELAXED);
@@ -270,9 +271,9 @@ void rows_gemm_set_chunk_bytes(int64_t bytes) {
 static void run(job_t job) {
     if (job.m <= 0 || job.n <= 0) return;
     const int64_t npanels = (job.n + PANEL - 1) / PANEL;
-    /* Row groups of equal size, at most group_rows each. */
+    /* Row groups of at most group_rows each: of equal size, or full groups and the rest. */
     const int64_t gmax = RELAXED(group_rows), groups = (job.m + gmax - 1) / gmax;
-    job.group = (job.m + groups - 1) / groups;
+    job.group = FILL_GROUPS ? (job.m < gmax ? job.m : gmax) : (job.m + groups - 1) / groups;
     const int64_t unit = unit_panels(job.group, job.pairs);
     const int64_t panel_bytes = job.q8 ? job.ldq * PANEL : job.k * PANEL * (int64_t)sizeof(float);
     const int64_t unit_bytes = unit * panel_bytes;

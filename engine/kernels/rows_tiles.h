@@ -73,6 +73,9 @@ typedef void (*tile_fn)(const float *x, int64_t ldx, const float *w, int64_t k, 
 #define ISA_NAME "avx512"
 #define MR_MAX 16
 #define GROUP_ROWS 14 /* default rows per pass over the weights (rows_gemm_set_group_rows) */
+/* Whether more rows than a pass takes are served as full passes and the rest (1) or in passes of
+ * equal size (0). Every AVX-512 tile of 5 rows or more keeps 14 sums or more apart. */
+#define FILL_GROUPS 0
 
 /* The lanes of a panel's first `left` columns (all 16 for left >= PANEL). */
 static inline __mmask16 panel_mask(int64_t left) {
@@ -151,6 +154,10 @@ _Pragma("GCC unroll 16") \
 #define ISA_NAME "avx2"
 #define MR_MAX 6
 #define GROUP_ROWS 6
+/* The 6-row tile keeps 12 sums apart, enough to hide the multiply-add's latency; those of 4 rows
+ * or fewer keep 8 and do less arithmetic per cycle (docs/benchmarks.md). So 8 rows run as 6 + 2,
+ * not 4 + 4. */
+#define FILL_GROUPS 1
 
 static inline __attribute__((always_inline)) __m256 load8(const float *src, int64_t left) {
     if (left >= 8) return _mm256_loadu_ps(src);
@@ -224,6 +231,7 @@ _Pragma("GCC unroll 16") \
 #define ISA_NAME "scalar"
 #define MR_MAX 4
 #define GROUP_ROWS 4
+#define FILL_GROUPS 0
 
 #define TILE_BODY(MR, NB) \
     for (int j = 0; j < NB; j++) { \

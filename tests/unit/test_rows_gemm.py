@@ -87,20 +87,22 @@ def test_inplace_matches_packed(lib: RowsGemm, threads: int) -> None:
 
 def test_strided_input_and_row_groups(lib: RowsGemm) -> None:
     """A non-contiguous x, and every rows-per-pass setting, give the same float32 sums (the
-    vector paths fuse every multiply-add; portable C leaves that to the compiler)."""
+    vector paths fuse every multiply-add; portable C leaves that to the compiler). k spans
+    three blocks of steps, the last one short, and the last panel is three quarters padding."""
     g = torch.Generator().manual_seed(1)
-    wt = torch.randn(96, 72, generator=g)
+    wt = torch.randn(300, 76, generator=g)
     packed = lib.pack(wt)
-    x = torch.randn(96, 40, generator=g).t()[:13]  # [13, 96], row stride 1 after .t() -> copied
-    wide = torch.randn(13, 100, generator=g)[:, :96]  # [13, 96], row stride 100
-    ref = lib.matmul(x.contiguous(), packed, 72)
-    assert torch.equal(lib.matmul(x, packed, 72), ref)
-    assert torch.equal(lib.matmul(wide, packed, 72), lib.matmul(wide.contiguous(), packed, 72))
+    x = torch.randn(300, 40, generator=g).t()[:13]  # [13, 300], row stride 1 after .t() -> copied
+    wide = torch.randn(13, 310, generator=g)[:, :300]  # [13, 300], row stride 310
+    ref = lib.matmul(x.contiguous(), packed, 76)
+    assert rel_err(ref, x.double() @ wt.double()) < 1e-5
+    assert torch.equal(lib.matmul(x, packed, 76), ref)
+    assert torch.equal(lib.matmul(wide, packed, 76), lib.matmul(wide.contiguous(), packed, 76))
     before = lib.group_rows
-    for rows in (1, 3, 8, 14, 16):
+    for rows in (1, 3, 6, 7, 8, 12, 14, 16):
         lib.set_group_rows(rows)
         try:
-            y = lib.matmul(x, packed, 72)
+            y = lib.matmul(x, packed, 76)
             if lib.isa == "scalar":
                 torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-5)
             else:
