@@ -155,8 +155,8 @@ _Pragma("GCC unroll 16") \
 #define MR_MAX 6
 #define GROUP_ROWS 6
 /* The 6-row tile keeps 12 sums apart, enough to hide the multiply-add's latency; those of 4 rows
- * or fewer keep 8 and do less arithmetic per cycle (docs/benchmarks.md). So 8 rows run as 6 + 2,
- * not 4 + 4. */
+ * or fewer keep 8 or fewer and do less arithmetic per cycle (docs/benchmarks.md). So 8 rows run as
+ * 6 + 2, not 4 + 4. */
 #define FILL_GROUPS 1
 
 static inline __attribute__((always_inline)) __m256 load8(const float *src, int64_t left) {

@@ -88,7 +88,7 @@ def test_inplace_matches_packed(lib: RowsGemm, threads: int) -> None:
 def test_strided_input_and_row_groups(lib: RowsGemm) -> None:
     """A non-contiguous x, and every rows-per-pass setting, give the same float32 sums (the
     vector paths fuse every multiply-add; portable C leaves that to the compiler). k spans
-    three blocks of steps, the last one short, and the last panel is three quarters padding."""
+    three blocks of steps, the last one short, and a quarter of the last panel is padding."""
     g = torch.Generator().manual_seed(1)
     wt = torch.randn(300, 76, generator=g)
     packed = lib.pack(wt)
