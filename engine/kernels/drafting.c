@@ -76,11 +76,19 @@ static void topk_row(const float *x, int64_t v, int64_t k, const int64_t *column
             ids[at] = j;
         }
     }
+    /* The sum of exponentials by blocks, the blocks' sums added in double: a float sum over
+     * thousands of terms would drift by 1e-5 relative, as much as the lanes of a vectorised
+     * reduction decide the order. */
     const float max = best[0];
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < v; j++) sum += exp_poly(x[j] - max);
-    const float lse = max + logf(sum);
+    double sum = 0.0;
+    for (int64_t j0 = 0; j0 < v; j0 += TOPK_BLOCK) {
+        const int64_t j1 = j0 + TOPK_BLOCK < v ? j0 + TOPK_BLOCK : v;
+        float block = 0.0f;
+#pragma omp simd reduction(+ : block)
+        for (int64_t j = j0; j < j1; j++) block += exp_poly(x[j] - max);
+        sum += block;
+    }
+    const float lse = max + (float)log(sum);
     for (int64_t i = 0; i < k; i++) best[i] -= lse;
     if (columns != NULL) {
         for (int64_t i = 0; i < k; i++) ids[i] = columns[ids[i]];
