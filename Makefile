@@ -91,6 +91,10 @@ bench: models ## Decode tokens/s of this engine vs transformers (batch 1 and 16)
 bench-kernels: install ## Time every linear-layer kernel for the default model's shapes
 	$(PY) -m bench.bench_kernels
 
+.PHONY: bench-stream
+bench-stream: install ## How fast one core and all cores stream weights through the rows kernel at 1..6 (AVX2) or 1..16 rows, per prefetch mode
+	$(PY) -m bench.bench_stream
+
 .PHONY: bench-verify
 bench-verify: models ## Cost of verifying a [5,3,2]x5 draft tree at batch 1 vs the bare matmuls and a plain step (SPECULATOR=PATH; TEMPERATURE=0.7 TOP_P=0.9 adds tokens per step, greedy and sampled)
 	$(PY) -m bench.bench_verify $(if $(SPECULATOR),--speculator $(SPECULATOR)) \
