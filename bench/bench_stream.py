@@ -42,9 +42,9 @@ def main() -> None:
     if lib is None:
         raise SystemExit("rows_gemm could not be built on this host")
     torch.manual_seed(0)
-    n = args.mib * 2**20 // (4 * args.k) // lib.PANEL * lib.PANEL
+    n = max(args.mib * 2**20 // (4 * args.k) // lib.PANEL, 1) * lib.PANEL  # output features
     packed = lib.pack(torch.randn(args.k, n) * args.k**-0.5)  # [n / 16, k, 16]
-    rows = args.rows or list(range(1, lib.max_rows + 1))
+    rows = sorted({1, *(args.rows or range(1, lib.max_rows + 1))})  # 1 row: the reference
     saved_threads = lib.threads
     threads = args.threads or sorted({1, torch.get_num_threads()})
     inputs = {m: torch.randn(m, args.k) for m in rows}
