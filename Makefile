@@ -92,7 +92,7 @@ bench-kernels: install ## Time every linear-layer kernel for the default model's
 	$(PY) -m bench.bench_kernels
 
 .PHONY: bench-stream
-bench-stream: install ## How fast one core and all cores stream weights through the rows kernel at 1..6 (AVX2) or 1..16 rows, per prefetch mode
+bench-stream: install ## How fast one core and all cores stream weights through the rows kernel, from 1 row to its widest tile, per prefetch mode
 	$(PY) -m bench.bench_stream
 
 .PHONY: bench-verify
