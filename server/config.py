@@ -384,7 +384,7 @@ class ServerConfig:
         naming the field; SystemExit for --help. The TGIS launcher flags without effect here are
         accepted (`server.cli.parse_launcher` also returns their warnings)."""
         env = os.environ if env is None else env
-        values, _ = read_settings(arg_parser(), cls, IGNORED_LAUNCHER_FLAGS, argv, env)
+        values, _ = read_settings(arg_parser(cls), cls, IGNORED_LAUNCHER_FLAGS, argv, env)
         return cls(**values)
 
     def describe(self) -> str:
@@ -392,11 +392,11 @@ class ServerConfig:
         return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
 
 
-def arg_parser() -> argparse.ArgumentParser:
-    """The command line: a flag per setting, and the TGIS launcher flags accepted without
-    effect."""
+def arg_parser(config_class: type = ServerConfig) -> argparse.ArgumentParser:
+    """The command line: a flag per setting of `config_class`, and the TGIS launcher flags
+    accepted without effect."""
     return build_parser(
-        ServerConfig,
+        config_class,
         IGNORED_LAUNCHER_FLAGS,
         prog="specserve",
         description="TGIS-compatible gRPC inference server. Every flag can also be set as the "
