@@ -62,9 +62,8 @@ class Bounds:
     def _holds(self, value: Any) -> bool:
         if self.choices:
             return value in self.choices
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or value <= self.high
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        return above and (self.high is None or value <= self.high)  # NaN is neither
 
     def check(self, name: str, value: Any) -> None:
         """ValueError ("`name` must be ..., got `value`") unless `value` is accepted."""

@@ -85,3 +85,9 @@ def test_top_k_tokens_per_head() -> None:
         ServerConfig.from_env_and_args([], {"SPECULATOR_THRESHES": "5,x"})
     with pytest.raises(ValueError, match=r"list of values >= 1, got \(2, 0\)$"):
         ServerConfig.from_env_and_args(["--speculator-top-k-tokens-per-head", "2,0"], {})
+
+
+@pytest.mark.parametrize("name", ["CUDA_PROCESS_MEMORY_FRACTION", "SHARD_TIMEOUT_SECONDS"])
+def test_nan_is_out_of_every_range(name: str) -> None:
+    with pytest.raises(ValueError, match=r" must be .*, got nan$"):
+        ServerConfig.from_env_and_args([], {name: "nan"})
