@@ -23,6 +23,7 @@ from engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
     bounds_of,
+    check_bounds,
     check_token_budget,
 )
 from engine.paths import default_model_path
@@ -36,7 +37,6 @@ from server.setting import (
     TEXT,
     Kind,
     build_parser,
-    check_settings,
     read_settings,
     setting,
 )
@@ -356,7 +356,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        check_settings(self)
+        check_bounds(self)
         if not self.model_name:
             raise ValueError("model_name must not be empty")
         names = ("max_batch_size", "max_batched_tokens")

@@ -1,6 +1,7 @@
 """A setting declared once, as a `Setting` in its dataclass field's metadata, and everything
-made from that declaration: the env + flag parser, the range checks, `--help` and the README's
-configuration table.
+made from that declaration: the env + flag parser, `--help` and the README's configuration
+table. A setting's range is declared with it, as the engine declares its fields' (`Bounds`,
+checked by `engine.config.check_bounds`).
 
 TGIS's launcher semantics (clap's "arg + env"): each setting is settable as env var `NAME` (or
 the aliases it declares) or flag `--name` (lower case, dashes, plus the short flags it
@@ -17,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, NoReturn
 
-from engine.config import Bounds
+from engine.config import Bounds, bounded
 
 FALSE_WORDS = frozenset({"", "n", "no", "f", "false", "off", "0"})
 """Env values that leave a switch off."""
@@ -76,8 +77,6 @@ class Setting:
     """Env var names, TGIS's own first, then its aliases; default: the field name upper case."""
     flags: tuple[str, ...] = ()
     """Flags besides `--field-name`, e.g. a short one."""
-    bounds: Bounds | None = None
-    """The values accepted (checked on construction, `check_settings`)."""
     default_help: str | None = None
     """How the default reads in help, where the default value alone would not say it."""
     ignored_because: str | None = None
@@ -96,11 +95,15 @@ def setting(
     ignored_because: str | None = None,
 ) -> Any:
     """A dataclass field declaring a setting: its default (a callable: a default factory, for a
-    default that depends on the environment) and its `Setting`."""
-    declaration = Setting(help, kind, env, flags, bounds, default_help, ignored_because)
+    default that depends on the environment), its `Setting`, and its `bounds` (the values
+    accepted, as the engine declares its own: `engine.config.check_bounds` checks them)."""
+    metadata: dict[str, Any] = {
+        "setting": Setting(help, kind, env, flags, default_help, ignored_because),
+        **({} if bounds is None else bounded(bounds)),
+    }
     if callable(default):
-        return field(default_factory=default, metadata={"setting": declaration})
-    return field(default=default, metadata={"setting": declaration})
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -134,9 +137,14 @@ class Declared:
         return str(default)
 
     @property
+    def bounds(self) -> Bounds | None:
+        bounds: Bounds | None = self.field.metadata.get("bounds")
+        return bounds
+
+    @property
     def values_text(self) -> str:
         """The kind, and the bounds where declared: "integer >= 1"."""
-        bounds = self.setting.bounds
+        bounds = self.bounds
         if bounds is None:
             return self.setting.kind.name
         if bounds.choices:
@@ -147,13 +155,6 @@ class Declared:
 def declared(config_class: type) -> tuple[Declared, ...]:
     """The settings of the dataclass `config_class`, in field order."""
     return tuple(Declared(f, f.metadata["setting"]) for f in fields(config_class))
-
-
-def check_settings(config: Any) -> None:
-    """ValueError naming the first setting of `config` out of its declared bounds."""
-    for d in declared(type(config)):
-        if d.setting.bounds is not None:
-            d.setting.bounds.check(d.name, getattr(config, d.name))
 
 
 class _Parser(argparse.ArgumentParser):

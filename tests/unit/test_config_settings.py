@@ -27,7 +27,7 @@ from server.setting import (
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SETTINGS = declared(ServerConfig)
-BOUNDED = [d for d in SETTINGS if d.setting.bounds is not None]
+BOUNDED = [d for d in SETTINGS if d.bounds is not None]
 
 
 def _readme_table() -> str:
@@ -64,7 +64,7 @@ def test_default_reads_back_through_its_kind(d: Declared) -> None:
     text = str(default).lower() if isinstance(default, bool) else str(default)
     parsed = d.setting.kind.parse(text)
     assert parsed == default and type(parsed) is type(default)
-    assert d.setting.bounds is None or d.setting.bounds.holds(default)
+    assert d.bounds is None or d.bounds.holds(default)
 
 
 def _outside(bounds: Bounds, kind_is_number: bool) -> str:
@@ -93,7 +93,7 @@ def _inside(bounds: Bounds) -> str:
 
 @pytest.mark.parametrize("d", BOUNDED, ids=lambda d: d.name)
 def test_bounds_are_enforced_from_env_and_flag(d: Declared) -> None:
-    bounds = d.setting.bounds
+    bounds = d.bounds
     assert bounds is not None
     raw = _outside(bounds, d.setting.kind is NUMBER)
     value = d.setting.kind.parse(raw)
