@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache, select_backend
-from engine.config import DTYPES, EngineConfig
+from engine.config import EngineConfig
 from engine.cuda_graphs import GraphSequence, StepGraphs
 from engine.kernels.autotune import select_kernels
 from engine.kernels.cpu import load_cpu_kernels
@@ -24,11 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(dtype: str | None, config_dtype: str | None, device: str) -> torch.dtype:
-    """An explicit dtype (one of `DTYPES`) wins; else float32 on CPU, and on CUDA the
-    checkpoint's half type or float16."""
+    """An explicit dtype (one of `DTYPES`, as `EngineConfig` checks) wins; else float32 on CPU,
+    and on CUDA the checkpoint's half type or float16."""
     if dtype is not None:
-        if dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         return getattr(torch, dtype)
     if device.startswith("cuda"):
         return torch.bfloat16 if config_dtype == "bfloat16" else torch.float16

@@ -1,322 +1,370 @@
-"""Server configuration: one frozen dataclass, read from TGIS's env vars and CLI flags.
+"""Server configuration: one frozen dataclass whose fields declare TGIS's settings.
 
-Every field has a default and a docstring; each is settable as env var `NAME` or flag `--name`
-(lower case, dashes), the flag winning: `server.cli` reads them (`from_env_and_args`).
-Importing this module is cheap (no torch).
+Each field is one setting, declared once in its metadata (`server.setting.Setting`): env vars,
+flags, type, bounds and help. `from_env_and_args` reads env vars and flags (a flag wins),
+`__post_init__` checks the values, `--help` and the README's configuration table are made from
+the same declaration (`server.setting`). Settings that feed the engine take their bounds from
+the engine's field (`engine.config.bounds_of`), so each range is declared once. Importing this
+module is cheap (no torch).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from engine.config import DEFAULT_MEMORY_FRACTION
+from engine.config import (
+    DEFAULT_MEMORY_FRACTION,
+    Bounds,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    bounds_of,
+    check_bounds,
+    check_token_budget,
+)
 from engine.paths import default_model_path
-from server.config_checks import check_config, parse_top_k
 from server.dtypes import canonical_dtype
+from server.setting import (
+    BOOLEAN,
+    INT_LIST,
+    INTEGER,
+    NUMBER,
+    SWITCH,
+    TEXT,
+    Kind,
+    build_parser,
+    read_settings,
+    setting,
+)
 
 DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024 - 64 * 1024
 """64 KiB below gRPC's default receive limit (4 MiB): a client with default settings would fail
 on a larger message with RESOURCE_EXHAUSTED and no explanation."""
 
+PORT = Bounds(low=0, high=65535)
+DTYPE = Kind("dtype name", canonical_dtype)
 
-def _meta(
-    doc: str,
-    env: tuple[str, ...] = (),
-    switch: bool = False,
-    flags: tuple[str, ...] = (),
-    parse: Callable[[str], Any] | None = None,
-) -> dict[str, Any]:
-    """A field's metadata: its help text, env var names (default: the name in upper case), whether
-    it is a switch, extra flags, and the parser of its raw string (default: by type)."""
-    return {"doc": doc, "env": env, "switch": switch, "flags": flags, "parse": parse}
+IGNORED_LAUNCHER_FLAGS = {
+    "--deployment-framework": "the engine is specserve's own (paged attention, continuous "
+    "batching)",
+    "--quantize": "weights load unquantized, in DTYPE_STR",
+    "--shard-uds-path": "shard processes meet over torch.distributed at MASTER_ADDR:MASTER_PORT",
+    "--max-waiting-tokens": "waiting requests join the running batch at every step",
+    "--max-prefill-padding": "batches are not padded",
+    "--batch-safety-margin": "the KV pool is sized by CUDA_PROCESS_MEMORY_FRACTION, "
+    "KV_CACHE_MEMORY_MB or KV_CACHE_BLOCKS",
+    "--max-batch-weight": "obsolete in TGIS too; admission counts KV blocks",
+    "--max-prefill-weight": "obsolete in TGIS too; long prompts prefill in chunks of "
+    "MAX_BATCHED_TOKENS",
+}
+"""TGIS launcher flags that are accepted, with their env vars, and have no effect here:
+flag -> why. Each one given is reported as a warning."""
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The server's settings. `from_env_and_args` builds it; `__post_init__` validates it
-    (`server.config_checks`).
+    """The server's settings; `__post_init__` checks them (each field's bounds, and the rules
+    between fields). Where the model and speculator are, and values that depend on the model
+    (`max_sequence_length` when unset), are resolved by `server.model_files`."""
 
-    Where the model and speculator are, and values that depend on the model
-    (`max_sequence_length` when unset), are resolved by `server.model_files`; the effective
-    max_new_tokens is `effective_max_new_tokens`.
-    """
-
-    model_name: str = field(
-        default_factory=lambda: str(default_model_path()),
-        metadata=_meta(
-            "Model folder (absolute or relative path), the name of a prepared model under "
-            "$SPECSERVE_HOME/models, or a Hugging Face Hub id (org/name) found in the local HF "
-            "cache (HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub; never "
-            "downloaded)."
-        ),
+    model_name: str = setting(
+        lambda: str(default_model_path()),
+        "Model folder (absolute or relative path), the name of a prepared model under "
+        "$SPECSERVE_HOME/models, or a Hub id (org/name) found in the local Hugging Face "
+        "cache (HF_HUB_CACHE); never downloaded. A missing model stops start-up with a "
+        "message naming every place looked at.",
+        TEXT,
+        default_help="$SPECSERVE_HOME/models/SmolLM2-135M-Instruct",
     )
-    revision: str | None = field(
-        default=None,
-        metadata=_meta(
-            "Revision of a Hub id model_name: a branch or tag (resolved through the cache's "
-            "refs/<revision>) or a commit hash (default: main); ignored for a folder."
-        ),
+    revision: str | None = setting(
+        None,
+        "Revision of a Hub id MODEL_NAME: a branch or tag (the cache's refs/<revision>) or "
+        "a commit hash; ignored for a folder.",
+        TEXT,
+        default_help="main",
     )
-    dtype: str | None = field(
-        default=None,
-        metadata=_meta(
-            "Weights/KV dtype, a torch dtype name: float16 (half, fp16), bfloat16 (bf16) or "
-            "float32 (float, fp32); int8 is accepted with a warning and ignored (default: float32 "
-            "on CPU; on CUDA bfloat16 for a bfloat16 checkpoint, else float16).",
-            env=("DTYPE_STR", "DTYPE"),
-            flags=("--dtype-str",),
-            parse=canonical_dtype,
-        ),
+    dtype: str | None = setting(
+        None,
+        "Weights and KV dtype, a torch dtype name: float16 (half, fp16), bfloat16 (bf16) or "
+        "float32 (float, fp32); int8 logs a warning and keeps the default.",
+        DTYPE,
+        env=("DTYPE_STR", "DTYPE"),
+        flags=("--dtype-str",),
+        default_help="float32 on CPU; on CUDA bfloat16 for a bfloat16 checkpoint, else float16",
+        ignored_because="8-bit (bitsandbytes) weights are not supported; weights load in "
+        "the default dtype",
     )
-    device: str = field(default="cpu", metadata=_meta("Torch device, e.g. cpu or cuda:0."))
-    num_shard: int = field(
-        default=1,
-        metadata=_meta(
-            "Processes the model is split over by tensor parallelism, one CUDA device each on "
-            "CUDA (rank r on cuda:r of CUDA_VISIBLE_DEVICES); must divide the attention heads "
-            "and the MLP width.",
-            env=("NUM_SHARD", "NUM_GPUS"),
-        ),
+    device: str = setting(
+        "cpu", "Torch device, e.g. cpu or cuda:0 (the CUDA image sets cuda).", TEXT
     )
-    master_addr: str = field(
-        default="localhost",
-        metadata=_meta("Host where the tensor-parallel ranks meet (rank 0's)."),
+    num_shard: int = setting(
+        1,
+        "Processes the model is split over by tensor parallelism, one CUDA device each on "
+        "CUDA (rank r on cuda:r of CUDA_VISIBLE_DEVICES); must divide the attention heads "
+        "and the MLP width.",
+        INTEGER,
+        env=("NUM_SHARD", "NUM_GPUS"),
+        bounds=bounds_of(EngineConfig, "tensor_parallel_size"),
     )
-    master_port: int = field(
-        default=29500,
-        metadata=_meta("Free TCP port on master_addr where the tensor-parallel ranks meet."),
+    master_addr: str = setting(
+        "localhost", "Host where the tensor-parallel ranks meet (rank 0's).", TEXT
     )
-    shard_timeout_s: float = field(
-        default=120.0,
-        metadata=_meta(
-            "Seconds a tensor-parallel rank waits for the others within a step; a rank that "
-            "hangs longer stops the server (exit code 1).",
-            env=("SHARD_TIMEOUT_SECONDS",),
-        ),
+    master_port: int = setting(
+        29500,
+        "Free TCP port on MASTER_ADDR where the tensor-parallel ranks meet.",
+        INTEGER,
+        bounds=bounds_of(EngineConfig, "master_port"),
     )
-    max_sequence_length: int | None = field(
-        default=None,
-        metadata=_meta(
-            "Most tokens (input + generated) per request; default: the model config's "
-            "max_position_embeddings (or similar), else 2048."
-        ),
+    shard_timeout_s: float = setting(
+        120.0,
+        "Seconds a tensor-parallel rank waits for the others within a step; a rank that "
+        "hangs longer (or dies) stops the server, exit code 1.",
+        NUMBER,
+        env=("SHARD_TIMEOUT_SECONDS",),
+        bounds=bounds_of(EngineConfig, "shard_timeout_s"),
     )
-    max_new_tokens: int = field(
-        default=1024,
-        metadata=_meta("Server max of a request's max_new_tokens (clamped to seq len - 1)."),
+    max_sequence_length: int | None = setting(
+        None,
+        "Most tokens (input + generated) per request.",
+        INTEGER,
+        bounds=bounds_of(EngineConfig, "max_model_len"),
+        default_help="the model config's max_position_embeddings (or similar), else 2048",
     )
-    max_batch_size: int = field(
-        default=32,
-        metadata=_meta(
-            "Most requests in the running batch (TGIS's default is 12); more requests per step "
-            "trade per-token latency for throughput."
-        ),
+    max_new_tokens: int = setting(
+        1024,
+        "Server cap on a request's max_new_tokens (at most MAX_SEQUENCE_LENGTH - 1).",
+        INTEGER,
+        bounds=Bounds(low=1),
     )
-    max_batched_tokens: int = field(
-        default=2048,
-        metadata=_meta("Token budget of one engine step; longer prompts prefill in chunks."),
+    max_batch_size: int = setting(
+        32,
+        "Most requests in the running batch (TGIS's default is 12); more requests per step "
+        "trade per-token latency for throughput.",
+        INTEGER,
+        bounds=bounds_of(SchedulerConfig, "max_num_seqs"),
     )
-    max_concurrent_requests: int = field(
-        default=512,
-        metadata=_meta("gRPC admission limit; a batch of n inputs takes n permits."),
+    max_batched_tokens: int = setting(
+        2048,
+        "Token budget of one engine step, at least MAX_BATCH_SIZE; longer prompts prefill "
+        "in chunks.",
+        INTEGER,
+        bounds=bounds_of(SchedulerConfig, "max_num_batched_tokens"),
     )
-    max_response_bytes: int = field(
-        default=DEFAULT_MAX_RESPONSE_BYTES,
-        metadata=_meta(
-            "Largest gRPC response message (bytes); a request whose response would be larger "
-            "fails with RESOURCE_EXHAUSTED. Default: 64 KiB below gRPC's 4 MiB receive limit."
-        ),
+    max_concurrent_requests: int = setting(
+        512,
+        "gRPC admission limit, one permit per input (Generate and Tokenize); beyond it "
+        "RESOURCE_EXHAUSTED, Model is overloaded.",
+        INTEGER,
+        bounds=Bounds(low=1),
     )
-    kv_cache_blocks: int | None = field(
-        default=None,
-        metadata=_meta(
-            "Number of KV cache blocks; default: sized from kv_cache_memory_mb, else from "
-            "device memory.",
-            env=("KV_CACHE_BLOCKS", "KV_CACHE_MANAGER_NUM_GPU_BLOCKS"),
-        ),
+    max_response_bytes: int = setting(
+        DEFAULT_MAX_RESPONSE_BYTES,
+        "Largest gRPC response message (bytes); a request whose response would be larger "
+        "fails with RESOURCE_EXHAUSTED.",
+        INTEGER,
+        bounds=Bounds(low=1024),
+        default_help="4 MiB - 64 KiB, below gRPC's default 4 MiB receive limit",
     )
-    kv_cache_memory_mb: int | None = field(
-        default=None,
-        metadata=_meta(
-            "KV cache memory (MiB) when kv_cache_blocks is unset; default: 512 on CPU, on CUDA "
-            "what cuda_process_memory_fraction leaves after the weights and a worst-case step."
-        ),
+    kv_cache_blocks: int | None = setting(
+        None,
+        "KV pool size in blocks.",
+        INTEGER,
+        env=("KV_CACHE_BLOCKS", "KV_CACHE_MANAGER_NUM_GPU_BLOCKS"),
+        bounds=bounds_of(EngineConfig, "num_kv_blocks"),
+        default_help="sized from KV_CACHE_MEMORY_MB, else from device memory",
     )
-    cuda_process_memory_fraction: float = field(
-        default=DEFAULT_MEMORY_FRACTION,
-        metadata=_meta(
-            "Share of the CUDA device's memory this server plans for, in (0, 1]; the KV pool "
-            "gets it minus the weights and a profiled worst-case step.",
-            flags=("-c",),
-        ),
+    kv_cache_memory_mb: int | None = setting(
+        None,
+        "KV pool memory (MiB) when KV_CACHE_BLOCKS is unset.",
+        INTEGER,
+        bounds=bounds_of(EngineConfig, "kv_cache_memory_mb"),
+        default_help="512 on CPU; on CUDA what CUDA_PROCESS_MEMORY_FRACTION leaves after "
+        "the weights and a worst-case step",
     )
-    grpc_port: int = field(
-        default=8033, metadata=_meta("gRPC port (bound on 0.0.0.0).", flags=("-g",))
+    cuda_process_memory_fraction: float = setting(
+        DEFAULT_MEMORY_FRACTION,
+        "Share of the CUDA device's memory this server plans for; the KV pool gets it minus "
+        "the weights and a profiled worst-case step.",
+        NUMBER,
+        flags=("-c",),
+        bounds=bounds_of(EngineConfig, "memory_fraction"),
     )
-    port: int = field(
-        default=3000, metadata=_meta("HTTP port for /health and /metrics.", flags=("-p",))
+    grpc_port: int = setting(
+        8033, "gRPC port, bound on 0.0.0.0.", INTEGER, flags=("-g",), bounds=PORT
     )
-    output_special_tokens: bool = field(
-        default=False,
-        metadata=_meta(
-            "Keep special tokens in output text (a final EOS is still dropped).", switch=True
-        ),
+    port: int = setting(
+        3000,
+        "HTTP port for /health and /metrics, bound on 0.0.0.0.",
+        INTEGER,
+        flags=("-p",),
+        bounds=PORT,
     )
-    default_include_stop_seqs: bool = field(
-        default=True,
-        metadata=_meta("include_stop_sequence when a request leaves it unset (true/false)."),
+    output_special_tokens: bool = setting(
+        False, "Keep special tokens in output text (a final EOS is still dropped).", SWITCH
     )
-    shutdown_grace_s: float = field(
-        default=5.0,
-        metadata=_meta(
-            "On SIGTERM, seconds in-flight requests get to finish before they are cancelled.",
-            env=("SHUTDOWN_GRACE_SECONDS",),
-        ),
+    default_include_stop_seqs: bool = setting(
+        True,
+        "Include a matched stop sequence in the text when a request leaves "
+        "include_stop_sequence unset.",
+        BOOLEAN,
     )
-    flash_attention: bool = field(
-        default=False,
-        metadata=_meta(
-            "TGIS switch (true/false), accepted and validated: attention always runs on the "
-            "paged KV cache, on the Triton kernel on CUDA; true: flash-attn's kernel for steps "
-            "without draft trees, when it is installed and the dtype is float16 or bfloat16."
-        ),
+    shutdown_grace_s: float = setting(
+        5.0,
+        "On SIGTERM, seconds in-flight requests get to finish before they are cancelled.",
+        NUMBER,
+        env=("SHUTDOWN_GRACE_SECONDS",),
+        bounds=Bounds(low=0),
     )
-    no_cuda_graphs: bool = field(
-        default=False,
-        metadata=_meta(
-            "Run every step eagerly; by default decode steps on CUDA replay CUDA graphs captured "
-            "at start-up for batch sizes up to max_batch_size.",
-            switch=True,
-        ),
+    flash_attention: bool = setting(
+        False,
+        "TGIS switch. Attention always runs on the paged KV cache, on CUDA on the Triton "
+        "kernel; true: steps without draft trees run on flash-attn's kernel when it is "
+        "installed and the dtype is float16 or bfloat16 (256-token blocks).",
+        BOOLEAN,
     )
-    paged_attention: bool = field(
-        default=False,
-        metadata=_meta(
-            "TGIS switch (true/false), accepted and validated: attention is always paged here."
-        ),
+    no_cuda_graphs: bool = setting(
+        False,
+        "Run every step eagerly. By default, on CUDA with the Triton attention kernel and "
+        "one shard, steps of decode rows and draft trees (at most 64 rows per sequence) "
+        "replay CUDA graphs captured at start-up for 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, "
+        f"128, 192 and 256 rows, up to min({EngineConfig.cuda_graph_max_rows}, "
+        "MAX_BATCHED_TOKENS) rows; larger steps run eagerly.",
+        SWITCH,
     )
-    tls_cert_path: str | None = field(
-        default=None,
-        metadata=_meta("PEM certificate (chain) of the gRPC server; enables TLS with the key."),
+    paged_attention: bool = setting(
+        False, "TGIS switch, accepted: attention is always paged here.", BOOLEAN
     )
-    tls_key_path: str | None = field(
-        default=None, metadata=_meta("PEM private key of tls_cert_path.")
+    tls_cert_path: str | None = setting(
+        None,
+        "PEM certificate (chain) of the gRPC server; with TLS_KEY_PATH, enables TLS.",
+        TEXT,
+        default_help="unset: plaintext",
     )
-    tls_client_ca_cert_path: str | None = field(
-        default=None,
-        metadata=_meta(
-            "PEM CA bundle: gRPC clients must present a certificate signed by it (mTLS); "
-            "requires the cert and key."
-        ),
+    tls_key_path: str | None = setting(None, "PEM private key of TLS_CERT_PATH.", TEXT)
+    tls_client_ca_cert_path: str | None = setting(
+        None,
+        "PEM CA bundle: gRPC clients must present a certificate signed by it (mTLS); "
+        "requires the cert and key.",
+        TEXT,
     )
-    speculator_path: str | None = field(
-        default=None,
-        metadata=_meta(
-            "MLP speculator: an HF folder (config.json with model_type mlp_speculator) or a "
-            "torch checkpoint file holding its state dict (or {'model_state': ...}).",
-            env=("SPECULATOR_PATH", "SPECULATOR_NAME"),
-        ),
+    speculator_path: str | None = setting(
+        None,
+        "MLP speculator: an HF folder (config.json with model_type mlp_speculator), a torch "
+        "checkpoint file holding its state dict, a name under $SPECSERVE_HOME/speculators, "
+        "or a Hub id in the HF cache.",
+        TEXT,
+        env=("SPECULATOR_PATH", "SPECULATOR_NAME"),
+        default_help="unset: no speculation",
     )
-    speculator_revision: str | None = field(
-        default=None,
-        metadata=_meta(
-            "Revision of a Hub id speculator_path (SPECULATOR_NAME), as revision for model_name."
-        ),
+    speculator_revision: str | None = setting(
+        None,
+        "Revision of a Hub id speculator, as REVISION for MODEL_NAME.",
+        TEXT,
+        default_help="main",
     )
-    speculator_n_predict: int | None = field(
-        default=None,
-        metadata=_meta(
-            "Heads of a speculator checkpoint file without config (default: heads stored)."
-        ),
+    speculator_n_predict: int | None = setting(
+        None,
+        "Heads of a speculator checkpoint file without config.",
+        INTEGER,
+        bounds=bounds_of(SpeculativeConfig, "n_predict"),
+        default_help="the heads stored",
     )
-    speculator_n_candidates: int | None = field(
-        default=None,
-        metadata=_meta(
-            "Candidate paths verified per request and step (default: the speculator config's).",
-            env=("SPECULATOR_N_CANDIDATES", "SPECULATOR_NUM_CANDIDATES"),
-        ),
+    speculator_n_candidates: int | None = setting(
+        None,
+        "Candidate paths verified per request and step (with nodes selection: the tree "
+        "holds as many drafts as they would).",
+        INTEGER,
+        env=("SPECULATOR_N_CANDIDATES", "SPECULATOR_NUM_CANDIDATES"),
+        bounds=bounds_of(SpeculativeConfig, "n_candidates"),
+        default_help="the speculator config's",
     )
-    speculator_top_k_tokens_per_head: str | None = field(
-        default=None,
-        metadata=_meta(
-            "Comma list of tokens taken per head for the candidate tree, one per head "
-            "(default: the speculator config's).",
-            env=("SPECULATOR_TOP_K_TOKENS_PER_HEAD", "SPECULATOR_THRESHES"),
-        ),
+    speculator_top_k_tokens_per_head: tuple[int, ...] | None = setting(
+        None,
+        "Tokens taken per head for the candidate tree, one per head.",
+        INT_LIST,
+        env=("SPECULATOR_TOP_K_TOKENS_PER_HEAD", "SPECULATOR_THRESHES"),
+        bounds=bounds_of(SpeculativeConfig, "top_k_tokens_per_head"),
+        default_help="the speculator config's",
     )
-    speculator_candidate_selection: str = field(
-        default="nodes",
-        metadata=_meta(
-            "How candidates are picked from the tree: nodes (the drafts of highest path "
-            "probability, as many as the candidate paths hold; the server verifies as many of "
-            "them as pay), coverage (paths, each adding the most expected accepted drafts) or "
-            "joint (paths of highest probability, as fms-extras)."
-        ),
+    speculator_candidate_selection: str = setting(
+        "nodes",
+        "How candidates are picked from the tree: nodes (the drafts of highest path "
+        "probability, as many as the candidate paths hold; the adaptive policy verifies as "
+        "many of them as pay), coverage (paths, each adding the most expected accepted "
+        "drafts) or joint (paths of highest probability, as fms-extras).",
+        TEXT,
+        bounds=bounds_of(SpeculativeConfig, "candidate_selection"),
     )
-    speculator_max_batch_size: int = field(
-        default=16,
-        metadata=_meta("Speculate only while at most this many requests run."),
+    speculator_max_batch_size: int = setting(
+        16,
+        "Speculate only while at most this many requests run.",
+        INTEGER,
+        bounds=bounds_of(SpeculativeConfig, "max_batch_size"),
     )
-    prefix_caching: bool = field(
-        default=True,
-        metadata=_meta(
-            "Share the KV blocks of identical prompt prefixes (e.g. a system prompt) between "
-            "requests instead of recomputing them (true/false)."
-        ),
+    speculator_adaptive: bool = setting(
+        True,
+        "Choose per step, from measured step times and acceptance, how many candidates "
+        "pay (possibly none); false: always verify the whole tree.",
+        BOOLEAN,
     )
-    prefix_store_path: str | None = field(
-        default=None,
-        metadata=_meta(
-            "Folder of prompt-tuning prefixes, TGIS's prompt store: a request's prefix_id names "
-            "<id>/decoder.pt or <id>.pt (a [virtual tokens, hidden] tensor) or a PEFT "
-            "prompt-tuning folder <id>/ (adapter_model.safetensors or .bin); the id may use "
-            "letters, digits, _, - and / (unset: every prefix_id is not found)."
-        ),
+    prefix_caching: bool = setting(
+        True,
+        "Share the KV blocks of identical prompt prefixes (e.g. a system prompt) between "
+        "requests instead of recomputing them: whole computed blocks, kept while free "
+        "until reused.",
+        BOOLEAN,
     )
-    prompt_cache_size_mb: int = field(
-        default=512,
-        metadata=_meta(
-            "Memory for loaded prompt prefixes (in the model's dtype on its device), least "
-            "recently used evicted first; a prefix larger than this is refused, as TGIS does."
-        ),
+    prefix_store_path: str | None = setting(
+        None,
+        "Folder of prompt-tuning prefixes, TGIS's prompt store: a request's prefix_id names "
+        "<id>/decoder.pt or <id>.pt (a [virtual tokens, hidden] tensor) or a PEFT "
+        "prompt-tuning folder <id>/ (adapter_model.safetensors or .bin); ids use letters, "
+        "digits, _, - and / and stay inside the store. The embeddings go before the "
+        "prompt's and count toward the input length (at most half of MAX_SEQUENCE_LENGTH "
+        "virtual tokens).",
+        TEXT,
+        default_help="unset: every prefix_id is not found",
     )
-    speculator_adaptive: bool = field(
-        default=True,
-        metadata=_meta(
-            "Choose per step, from measured step times and acceptance, how many candidates "
-            "pay (possibly none); false: always verify the whole tree (true/false)."
-        ),
+    prompt_cache_size_mb: int = setting(
+        512,
+        "Memory for loaded prompt prefixes (in the model's dtype on its device), least "
+        "recently used evicted first; a prefix larger than this is refused, as TGIS does.",
+        INTEGER,
+        bounds=Bounds(low=0),
     )
-    json_output: bool = field(
-        default=False,
-        metadata=_meta(
-            "Log one JSON object per line (timestamp, level, logger, message, exception).",
-            switch=True,
-        ),
+    json_output: bool = setting(
+        False,
+        "Log one JSON object per line: timestamp, level, logger, message, and exception "
+        "(the traceback).",
+        SWITCH,
     )
-    otlp_endpoint: str | None = field(
-        default=None,
-        metadata=_meta(
-            "OpenTelemetry collector (OTLP over gRPC), e.g. http://otel-collector:4317 "
-            "(https:// or no scheme: TLS): one span per RPC and per generated sequence. Unset: "
-            "no tracing."
-        ),
+    otlp_endpoint: str | None = setting(
+        None,
+        "OpenTelemetry collector (OTLP over gRPC), e.g. http://otel-collector:4317 "
+        "(https:// or no scheme: TLS): a span per RPC (child of the client's traceparent) "
+        "and per generated sequence.",
+        TEXT,
+        default_help="unset: no tracing",
     )
-    otlp_service_name: str | None = field(
-        default=None,
-        metadata=_meta("service.name of the spans (default: OTEL_SERVICE_NAME, else specserve)."),
+    otlp_service_name: str | None = setting(
+        None, "service.name of the spans.", TEXT, default_help="OTEL_SERVICE_NAME, else specserve"
     )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        check_config(self)
-
-    def speculator_top_k(self) -> tuple[int, ...] | None:
-        """`speculator_top_k_tokens_per_head` parsed (`parse_top_k`)."""
-        return parse_top_k(self.speculator_top_k_tokens_per_head)
+        check_bounds(self)
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+        names = ("max_batch_size", "max_batched_tokens")
+        check_token_budget(self.max_batch_size, self.max_batched_tokens, names)
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            raise ValueError("tls: must provide both cert and key")
+        if self.tls_client_ca_cert_path is not None and self.tls_cert_path is None:
+            raise ValueError("tls: cannot provide client ca cert without keypair")
 
     @property
     def tls_enabled(self) -> bool:
@@ -333,12 +381,24 @@ class ServerConfig:
     ) -> ServerConfig:
         """Build from `env` (default os.environ) overridden by the flags in `argv` (default
         sys.argv[1:]). Raises ValueError for unknown flags and for unparsable or invalid values,
-        naming the field; SystemExit for --help. TGIS launcher flags without effect here are
+        naming the field; SystemExit for --help. The TGIS launcher flags without effect here are
         accepted (`server.cli.parse_launcher` also returns their warnings)."""
-        from server.cli import config_from_env_and_args
-
-        return config_from_env_and_args(argv, env)
+        env = os.environ if env is None else env
+        values, _ = read_settings(arg_parser(cls), cls, IGNORED_LAUNCHER_FLAGS, argv, env)
+        return cls(**values)
 
     def describe(self) -> str:
         """One `name=value` line per field, for the startup log."""
         return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+
+
+def arg_parser(config_class: type = ServerConfig) -> argparse.ArgumentParser:
+    """The command line: a flag per setting of `config_class`, and the TGIS launcher flags
+    accepted without effect."""
+    return build_parser(
+        config_class,
+        IGNORED_LAUNCHER_FLAGS,
+        prog="specserve",
+        description="TGIS-compatible gRPC inference server. Every flag can also be set as the "
+        "env var named in its help; a flag wins over its env var.",
+    )

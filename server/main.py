@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.builder import build_engine, load_tokenizer
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.model_runner import ModelRunner
-from server.cli import json_output_requested, parse_launcher, termination_log_path
+from server.cli import json_output_requested, log_level, parse_launcher, termination_log_path
 from server.config import ServerConfig
 from server.decode_guard import RequestDecodeGuard
 from server.engine_worker import EngineWorker
@@ -79,7 +78,7 @@ def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfi
         speculative = SpeculativeConfig(
             path=Path(config.speculator_path),
             n_predict=config.speculator_n_predict,
-            top_k_tokens_per_head=config.speculator_top_k(),
+            top_k_tokens_per_head=config.speculator_top_k_tokens_per_head,
             n_candidates=config.speculator_n_candidates,
             candidate_selection=config.speculator_candidate_selection,
             max_batch_size=config.speculator_max_batch_size,
@@ -309,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the process exit code: 2 for an invalid configuration, 1
     for any other fatal error. Either's message also goes to the termination log
     (`server.cli.termination_log_path`), as TGIS's launcher writes its panics there."""
-    setup_logging(os.environ.get("LOG_LEVEL", "INFO"), json_output_requested(argv))
+    setup_logging(log_level(), json_output_requested(argv))
     prometheus_client.disable_created_metrics()
     termination_log, create_log = termination_log_path()
     try:

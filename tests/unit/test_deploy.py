@@ -4,21 +4,21 @@ defaults and the compose services. (hadolint and the compose-spec schema run in 
 from __future__ import annotations
 
 import re
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from server.config import ServerConfig
+from server.setting import declared
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _env_names() -> list[str]:
     names = ["LOG_LEVEL", "SPECSERVE_HOME"]
-    for f in fields(ServerConfig):
-        names += f.metadata["env"] or (f.name.upper(),)
+    for d in declared(ServerConfig):
+        names += d.env
     return names
 
 

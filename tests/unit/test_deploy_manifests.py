@@ -12,7 +12,6 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -29,6 +28,7 @@ from server.cli import (
 from server.config import ServerConfig
 from server.http_server import HttpServer
 from server.metrics import ServerMetrics
+from server.setting import declared
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -62,8 +62,8 @@ def _docs(paths: list[Path]) -> list[tuple[Path, dict[str, Any]]]:
 
 def _config_env_names() -> set[str]:
     names: set[str] = set()
-    for f in fields(ServerConfig):
-        names.update(f.metadata["env"] or (f.name.upper(),))
+    for d in declared(ServerConfig):
+        names.update(d.env)
     return names
 
 

@@ -1,4 +1,4 @@
-"""TGIS launcher parity without a server process (tgis-interface.md §3.1, §1.3, §6): every
+"""TGIS launcher parity without a server process (TGIS's launcher/src/main.rs `Args`): every
 launcher flag parses (the ignored ones with a warning), dtype names, Hub ids resolved from a
 local Hugging Face cache, JSON log lines, the termination log, unknown request fields, and the
 request spans (on the SDK's in-memory exporter)."""
