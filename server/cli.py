@@ -1,6 +1,6 @@
 """The launcher's command line and environment: the `ServerConfig` of env vars and flags with
 the warnings of settings that have no effect, what is read before it (JSON logs, the
-termination log), and the README's configuration table (`python -m server.cli
+termination log), and the configuration table of docs/configuration.md (`python -m server.cli
 --markdown-table`).
 
 Every TGIS launcher flag is accepted: those without an equivalent here
@@ -96,7 +96,7 @@ def termination_log_path(env: Mapping[str, str] | None = None) -> tuple[str | No
 
 
 def configuration_table() -> str:
-    """The README's configuration table: every setting of `ServerConfig`, the env vars read
+    """docs/configuration.md's table: every setting of `ServerConfig`, the env vars read
     outside it, and the TGIS launcher flags accepted without effect."""
     return markdown_table(ServerConfig, IGNORED_LAUNCHER_FLAGS, OTHER_ENV_VARS)
 

@@ -2,7 +2,7 @@
 
 Each field is one setting, declared once in its metadata (`server.setting.Setting`): env vars,
 flags, type, bounds and help. `from_env_and_args` reads env vars and flags (a flag wins),
-`__post_init__` checks the values, `--help` and the README's configuration table are made from
+`__post_init__` checks the values, `--help` and docs/configuration.md's table are made from
 the same declaration (`server.setting`). Settings that feed the engine take their bounds from
 the engine's field (`engine.config.bounds_of`), so each range is declared once. Importing this
 module is cheap (no torch).

@@ -1,5 +1,5 @@
 """Every setting is declared once (`server.setting.Setting` on a ServerConfig field) and that one
-declaration reaches `--help`, README's configuration table and the start-up checks: checked here
+declaration reaches `--help`, docs/configuration.md's table and the start-up checks: checked here
 on the real declaration, setting by setting, and on a setting added in a subclass."""
 
 from __future__ import annotations
@@ -25,21 +25,21 @@ from server.setting import (
     setting,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TABLE_DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 SETTINGS = declared(ServerConfig)
 BOUNDED = [d for d in SETTINGS if d.bounds is not None]
 
 
-def _readme_table() -> str:
-    text = README.read_text()
+def _doc_table() -> str:
+    text = TABLE_DOC.read_text()
     match = re.search(r"^<!-- configuration table:.*?-->\n(.*?)^<!-- end of", text, re.M | re.S)
-    assert match, "README.md has no configuration table markers"
+    assert match, "docs/configuration.md has no configuration table markers"
     return match.group(1)
 
 
-def test_readme_table_is_the_generated_one() -> None:
+def test_documented_table_is_the_generated_one() -> None:
     """Regenerate with `python -m server.cli --markdown-table` when this fails."""
-    assert _readme_table() == configuration_table()
+    assert _doc_table() == configuration_table()
 
 
 @pytest.mark.parametrize("d", SETTINGS, ids=lambda d: d.name)
@@ -49,7 +49,7 @@ def test_setting_is_in_help_and_table(d: Declared) -> None:
         assert re.search(rf"(^|[\s,]){re.escape(flag)}\b", help_text), flag
     assert f"[env: {', '.join(d.env)}]" in help_text
     assert d.values_text in help_text
-    (row,) = [line for line in _readme_table().splitlines() if f"`{d.flags[0]}`" in line]
+    (row,) = [line for line in _doc_table().splitlines() if f"`{d.flags[0]}`" in line]
     assert row.startswith(f"| {' / '.join(f'`{e}`' for e in d.env)} |")
     assert f"| {d.values_text} |" in row
 
