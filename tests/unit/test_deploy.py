@@ -1,5 +1,6 @@
-"""Deployment files stay in step with the server: README's env var table, the Dockerfile's TGIS
-defaults and the compose services. (hadolint and the compose-spec schema run in `make lint`.)"""
+"""Deployment files stay in step with the server: docs/configuration.md's env var table, the
+Dockerfile's TGIS defaults and the compose services. (hadolint and the compose-spec schema run in
+`make lint`.)"""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def _env_names() -> list[str]:
     return names
 
 
-def test_readme_documents_every_env_var() -> None:
-    readme = (REPO / "README.md").read_text()
-    table_rows = [line for line in readme.splitlines() if line.startswith("| `")]
+def test_configuration_doc_lists_every_env_var() -> None:
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    table_rows = [line for line in doc.splitlines() if line.startswith("| `")]
     documented = {name for row in table_rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row)}
     assert not [n for n in _env_names() if n not in documented]
 
