@@ -19,9 +19,9 @@ do not interact, so padding changes no real row. Tree masks are row-major [q, q]
 reads them. The graph's logits and hidden states are static outputs, valid until the next replay.
 
 Graphs are captured at start-up, largest first, into one shared memory pool, after a warm-up run
-of each (Triton compiles its kernel then). Off CUDA the same static-buffer step runs eagerly
-instead of replaying: that is how CPU tests check the buffer, the padding and the pad block
-against the ordinary eager path.
+of each (the allocator settles; the backend's `warm_up` compiled the kernels before). Off CUDA
+the same static-buffer step runs eagerly instead of replaying: that is how CPU tests check the
+buffer, the padding and the pad block against the ordinary eager path.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class StepGraphs:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self._forward(g)  # warm-up: Triton compiles, the allocator settles
+                self._forward(g)  # warm-up: the allocator settles
             torch.cuda.current_stream(self.device).wait_stream(side)
             g.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g.graph, pool=pool):

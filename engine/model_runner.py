@@ -119,6 +119,13 @@ class ModelRunner:
         self.num_blocks, self.kv_pool_source = self._num_kv_blocks(config)
         graphs = config.cuda_graphs and self.backend.name == "triton" and shard.size == 1
         self.kv_caches = self._allocate_kv_caches(self.num_blocks + graphs)
+        if self.backend.name in ("triton", "flash-attn"):  # no step compiles after this
+            try:
+                from engine.attention.triton_backend import warm_up
+            except ImportError:
+                pass  # flash-attn's backend without triton: nothing to compile
+            else:
+                warm_up(self.backend, self.kv_caches, self.model.layout.num_heads)
         if graphs:
             from engine.attention.triton_backend import TritonBackend
 

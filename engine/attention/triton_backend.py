@@ -1,20 +1,24 @@
-"""CUDA backend on one Triton kernel that reads the paged KV cache in place.
+"""CUDA backend on the Triton kernels of engine/attention/triton_kernels.py, which read the
+paged KV cache in place.
 
-A single varlen launch serves every kind of row a step can hold: decode rows (one new token),
-prefill chunks (causal among the new tokens, the whole cached context visible) and draft-tree
-verification rows (a per-sequence tree mask among the new tokens). Each program owns up to
-`BLOCK_Q` consecutive new tokens of one sequence and one KV head, with the `GROUP` query heads
-that share that KV head stacked as rows (`BLOCK_M = BLOCK_Q * GROUP` rows), and walks the
-sequence's keys `BLOCK_N` at a time through its block table with an online softmax that
-accumulates in fp32.
+A single varlen launch serves every kind of row a step can hold (decode rows, prefill chunks,
+draft-tree rows). When that launch would leave streaming multiprocessors idle and the context is
+long, the keys of each (query block, KV head) are split over several programs and a second
+launch merges their partial softmax results (`num_kv_splits` says when).
 
-The kernel also runs on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before
-triton is first imported), which is how the tests check it against the torch backend.
+Every kernel variant a server launches is compiled by `warm_up` at start-up: the launches vary
+only in arguments that are not specialized (see triton_kernels.py), so a step never compiles.
+
+The kernels also run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before
+triton is first imported), which is how the tests check them against the torch backend.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +26,9 @@ import triton
 import triton.language as tl
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from engine.attention.triton_kernels import merge_splits_kernel, paged_attention_kernel
+
+logger = logging.getLogger(__name__)
 
 BLOCK_N = 32
 """Keys per inner-loop tile; a tile may span several cache blocks."""
@@ -29,144 +36,48 @@ BLOCK_N = 32
 MIN_BLOCK_M = 16
 """Rows per program at least: `tl.dot` needs 16 on every side."""
 
+MAX_KV_SPLITS = 16
+"""The most programs one (query block, KV head) is split into (a power of two)."""
+
+MIN_SPLIT_KEYS = 256
+"""Fewest keys one split walks (a multiple of `BLOCK_N`): eight key tiles, against which the
+split's extra traffic (one fp32 partial row and its log-sum-exp per query row, written once and
+read once by the merge) is under 1% of the K/V bytes it reads."""
+
 _LOG2E = 1.4426950408889634
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-@triton.jit
-def _find_seq(  # type: ignore[no-untyped-def]
-    cu_q_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
-):
-    """The sequence owning global query block `q_block`.
+def num_kv_splits(
+    num_programs: int, max_seq_len: int | None, num_sms: int, min_split_keys: int
+) -> int:
+    """How many programs share the keys of each (query block, KV head); 1: the unsplit kernel.
 
-    Sequence s owns the blocks from `cu_q[s] // BLOCK_Q + s` on: at least ceil(query_len /
-    BLOCK_Q) of them, so a grid of `N // BLOCK_Q + S` programs covers every sequence (the
-    surplus programs find no query rows and return). Binary search for the last s whose first
-    block is <= `q_block`.
+    Splitting pays only when the unsplit grid of `num_programs` working programs leaves some of
+    the `num_sms` multiprocessors idle: then each program's keys are split so the grid fills
+    about one wave, `ceil(num_sms / num_programs)` splits, at most `MAX_KV_SPLITS`. A split
+    walks at least `min_split_keys` keys, so a batch whose longest sequence holds L tokens uses
+    at most `L // min_split_keys` splits (none below twice that). `max_seq_len` None (a CUDA
+    graph's step, whose lengths are unknown at capture) leaves that cap to the kernel, which
+    gives a short context fewer non-empty splits; the choice then depends on the row count
+    only, fixed per captured graph.
     """
-    lo: tl.int32 = 0
-    hi: tl.int32 = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_block = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
-        if first_block <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+    if num_programs >= num_sms:
+        return 1
+    splits = min(MAX_KV_SPLITS, -(-num_sms // max(1, num_programs)))
+    if max_seq_len is not None:
+        splits = min(splits, max_seq_len // min_split_keys)
+    return max(1, splits)
 
 
-@triton.jit
-def _paged_attention_kernel(  # type: ignore[no-untyped-def]
-    out_ptr,  # [N, H, D]
-    q_ptr,  # [N, H, D], last stride 1
-    key_cache_ptr,  # [num_blocks, block_size, kvH, D]
-    value_cache_ptr,  # [num_blocks, block_size, kvH, D], the key cache's strides
-    block_tables_ptr,  # [S, max_blocks] int32
-    cu_q_ptr,  # [S + 1] int32: first new token of each sequence in the flat batch
-    seq_lens_ptr,  # [S] int32: cached + new tokens
-    mask_offsets_ptr,  # [S] int32: byte offset of the tree mask in masks_ptr, -1 when causal
-    masks_ptr,  # uint8: row-major [query_len, query_len] tree masks, 1 = may attend
-    scale,  # softmax scale times log2(e)
-    num_seqs,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_c_block,
-    stride_c_slot,
-    stride_c_head,
-    stride_bt,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
-    GROUP: tl.constexpr,  # query heads per KV head
-    BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q query tokens x GROUP heads, padded
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr,  # cache block size
-    DOT_DTYPE: tl.constexpr,  # operand type of the matrix products: the inputs' own on CUDA
-    DOT_PRECISION: tl.constexpr,
-):
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = _find_seq(cu_q_ptr, q_block, num_seqs, BLOCK_Q)
-    q_begin = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
-    q_first = (q_block - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
-    if q_first >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    ctx_len = seq_len - q_len
-    mask_offset = tl.load(mask_offsets_ptr + seq)
-    is_tree = mask_offset >= 0
-
-    rows = tl.arange(0, BLOCK_M)
-    q_idx = q_first + rows // GROUP  # [BLOCK_M]: new-token index within the sequence
-    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
-    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
-    dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims < HEAD_DIM
-    token = (q_begin + q_idx).to(tl.int64)
-    q_offs = token[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    q = q.to(DOT_DTYPE)  # [BLOCK_M, HEAD_PAD]
-
-    # A causal block sees keys up to its last query's own position; a tree row may see any new
-    # token its mask allows.
-    causal_end = tl.minimum(seq_len, ctx_len + q_first + BLOCK_Q)
-    kv_end = tl.where(is_tree, seq_len, causal_end)
-    first_mask_key = tl.where(is_tree, 0, q_len)  # causal sequences read no mask bytes
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    cols = tl.arange(0, BLOCK_N)
-    for start in range(0, kv_end, BLOCK_N):
-        pos = start + cols  # [BLOCK_N]: key positions in the sequence
-        pos_ok = pos < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=pos_ok, other=0)
-        kv_offs = (
-            block.to(tl.int64) * stride_c_block + (pos % PAGE) * stride_c_slot
-        ) + kv_head * stride_c_head  # [BLOCK_N]
-        k = tl.load(
-            key_cache_ptr + kv_offs[None, :] + dims[:, None],
-            mask=dim_ok[:, None] & pos_ok[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)  # [HEAD_PAD, BLOCK_N]
-        v = tl.load(
-            value_cache_ptr + kv_offs[:, None] + dims[None, :],
-            mask=pos_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)  # [BLOCK_N, HEAD_PAD]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-
-        new_j = pos - ctx_len  # [BLOCK_N]: index among the new tokens, negative in the context
-        in_tree = row_ok[:, None] & (new_j[None, :] >= first_mask_key) & pos_ok[None, :]
-        bits = tl.load(
-            masks_ptr + mask_offset + q_idx[:, None] * q_len + new_j[None, :],
-            mask=in_tree,
-            other=0,
-        )  # [BLOCK_M, BLOCK_N]
-        among_new = tl.where(is_tree, bits != 0, new_j[None, :] <= q_idx[:, None])
-        visible = pos_ok[None, :] & ((new_j[None, :] < 0) | among_new)
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_offs = token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
-    tl.store(
-        out_ptr + o_offs,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
+def rows_per_program(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): rows of one program, and the query tokens they hold."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(group))
+    return block_m, block_m // group
 
 
 @dataclass(frozen=True)
@@ -174,28 +85,44 @@ class _Prepared:
     """Per-step kernel inputs, all slices of one device buffer filled by one host copy.
 
     The buffer holds the int32 arrays first, then the tree masks as bytes; `masks` is the whole
-    buffer, so `mask_offsets` are byte offsets into it.
+    buffer, so `mask_offsets` are byte offsets into it. `query_lens` and `max_seq_len` are the
+    host's view for the split choice, None for a CUDA graph's step.
     """
 
     cu_q: torch.Tensor  # [S + 1] int32
     seq_lens: torch.Tensor  # [S] int32
     mask_offsets: torch.Tensor  # [S] int32, -1 for causal sequences
     masks: torch.Tensor  # uint8
+    query_lens: list[int] | None = None
+    max_seq_len: int | None = None
 
 
 class TritonBackend(AttentionBackend):
-    """Paged attention in one Triton kernel: decode, chunked prefill and draft-tree rows in the
-    same launch, any block size, MHA or GQA, fp16, bf16 or fp32 with fp32 accumulation.
+    """Paged attention in Triton: decode, chunked prefill and draft-tree rows in the same
+    launch, any block size, MHA or GQA, fp16, bf16 or fp32 with fp32 accumulation, split over
+    the keys when the grid is small and the context long.
 
     The cache must be contiguous ([num_blocks, block_size, kvH, D]) and the last dimension of
     q contiguous; q itself may be a strided view. Tree masks come on the host (as the model
     runner builds them); a mask on the device is copied back, which synchronizes.
+
+    `num_sms`: the multiprocessors the split choice fills (None: the CUDA device's count, and 1,
+    never split, off CUDA); `min_split_keys`: fewest keys of one split.
     """
 
     name = "triton"
 
-    def __init__(self, block_size: int | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int | None = None,
+        num_sms: int | None = None,
+        min_split_keys: int = MIN_SPLIT_KEYS,
+    ) -> None:
+        if min_split_keys <= 0 or min_split_keys % BLOCK_N:
+            raise ValueError(f"min_split_keys must be a positive multiple of {BLOCK_N}")
         self.block_size = block_size or 16
+        self.num_sms = num_sms
+        self.min_split_keys = min_split_keys
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         device = metadata.block_tables.device
@@ -226,6 +153,8 @@ class TritonBackend(AttentionBackend):
             seq_lens=int_view[num_seqs + 1 : 2 * num_seqs + 1],
             mask_offsets=int_view[2 * num_seqs + 1 :],
             masks=buf,
+            query_lens=list(query_lens),
+            max_seq_len=max(metadata.seq_lens, default=0),
         )
 
     @staticmethod
@@ -240,7 +169,8 @@ class TritonBackend(AttentionBackend):
     ) -> AttentionMetadata:
         """The metadata of a step whose kernel inputs already live in the given device tensors
         (a CUDA graph's static buffers), without `prepare`'s host copy. Its host-side lists
-        are placeholders: only their number of sequences is right."""
+        are placeholders: only their number of sequences is right. Such a step's split choice
+        depends on its row count only (see `num_kv_splits`)."""
         num_seqs = cu_q.shape[0] - 1
         return AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -262,33 +192,69 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         self.store(k, v, kv_cache, metadata.slot_mapping)
         p: _Prepared = metadata.backend_data
+        num_kv_heads = kv_cache[0].shape[2]
+        _, block_q = rows_per_program(q.shape[1], num_kv_heads)
+        if p.query_lens is None:
+            q_blocks = -(-q.shape[0] // block_q)  # the fewest a graph's rows may fill
+        else:
+            q_blocks = sum(-(-n // block_q) for n in p.query_lens)
+        splits = num_kv_splits(
+            q_blocks * num_kv_heads, p.max_seq_len, self._sms(q.device), self.min_split_keys
+        )
+        return self.attend(q, kv_cache, metadata.block_tables, p, metadata.num_seqs, splits)
+
+    def _sms(self, device: torch.device) -> int:
+        if self.num_sms is None:
+            cuda = device.type == "cuda"
+            self.num_sms = (
+                torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+            )
+        return self.num_sms
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [N, H, D]
+        kv_cache: KVCache,
+        block_tables: torch.Tensor,
+        p: _Prepared,
+        num_seqs: int,
+        num_splits: int,
+    ) -> torch.Tensor:  # [N, H, D]
+        """The kernel launches of one step, its keys split `num_splits` ways (1: unsplit)."""
         key_cache, value_cache = kv_cache
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = key_cache.shape[2]
-        if num_heads % num_kv_heads:
-            raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads")
+        block_m, block_q = rows_per_program(num_heads, num_kv_heads)
         if q.stride(2) != 1:
             q = q.contiguous()
-        group = num_heads // num_kv_heads
-        block_m = max(MIN_BLOCK_M, triton.next_power_of_2(group))
-        block_q = block_m // group
         dot_dtype = q.dtype
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
             dot_dtype = torch.float32  # the interpreter's tl.dot takes no bf16
+        head_pad = max(16, triton.next_power_of_2(head_dim))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [N, H, D]
-        grid = (num_tokens // block_q + metadata.num_seqs, num_kv_heads)
-        _paged_attention_kernel[grid](
+        split = num_splits > 1
+        partial, lse = out, out  # unused by the unsplit kernel
+        if split:
+            shape = (num_tokens, num_heads, num_splits)
+            partial = torch.empty((*shape, head_pad), dtype=torch.float32, device=q.device)
+            lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+        paged_attention_kernel[grid](
             out,
+            partial,
+            lse,
             q,
             key_cache,
             value_cache,
-            metadata.block_tables,
+            block_tables,
             p.cu_q,
             p.seq_lens,
             p.mask_offsets,
             p.masks,
             _LOG2E / math.sqrt(head_dim),
-            metadata.num_seqs,
+            num_seqs,
+            num_splits,
+            self.min_split_keys,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -296,15 +262,79 @@ class TritonBackend(AttentionBackend):
             key_cache.stride(0),
             key_cache.stride(1),
             key_cache.stride(2),
-            metadata.block_tables.stride(0),
+            block_tables.stride(0),
             HEAD_DIM=head_dim,
-            HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
-            GROUP=group,
+            HEAD_PAD=head_pad,
+            GROUP=num_heads // num_kv_heads,
             BLOCK_M=block_m,
             BLOCK_Q=block_q,
             BLOCK_N=BLOCK_N,
             PAGE=key_cache.shape[1],
             DOT_DTYPE=_TL_DTYPES[dot_dtype],
             DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
+            SPLIT=split,
         )
+        if split:
+            merge_splits_kernel[(num_tokens * num_heads,)](
+                out,
+                partial,
+                lse,
+                num_splits,
+                HEAD_DIM=head_dim,
+                HEAD_PAD=head_pad,
+                MAX_SPLITS=MAX_KV_SPLITS,
+            )
         return out
+
+    def warm_up(self, kv_caches: Sequence[KVCache], num_heads: int) -> int:
+        """Compile every kernel variant the steps will launch on these caches with `num_heads`
+        query heads, by launching each once: one decode row on cache block 0, unsplit and split.
+        A variant differs only in what stays specialized, fixed for a server's life except the
+        caches' 16-byte alignment, so this runs once per distinct alignment of the layers'
+        caches (one, with the model runner's pool). Reads the caches, writes scratch tensors
+        only. Returns the number of launches."""
+        launches = 0
+        alignments: set[tuple[bool, bool]] = set()
+        for kv_cache in kv_caches:
+            alignment = (kv_cache[0].data_ptr() % 16 == 0, kv_cache[1].data_ptr() % 16 == 0)
+            if alignment in alignments:
+                continue
+            alignments.add(alignment)
+            device, head_dim = kv_cache[0].device, kv_cache[0].shape[3]
+            metadata = AttentionMetadata(
+                slot_mapping=torch.zeros(1, dtype=torch.int64, device=device),
+                query_lens=[1],
+                seq_lens=[1],
+                block_tables=torch.zeros((1, 1), dtype=torch.int32, device=device),
+                max_position=0,
+                tree_masks=[None],
+            )
+            self.prepare(metadata)
+            q = torch.zeros((1, num_heads, head_dim), dtype=kv_cache[0].dtype, device=device)
+            for num_splits in (1, 2):
+                self.attend(
+                    q, kv_cache, metadata.block_tables, metadata.backend_data, 1, num_splits
+                )
+                launches += num_splits  # the split step's merge is a second kernel
+        return launches
+
+
+def warm_up(backend: AttentionBackend, kv_caches: Sequence[KVCache], num_heads: int) -> int:
+    """Compile the Triton attention variants a server will launch, once, before it serves:
+    `backend` is the Triton backend or one that falls back to it (flash-attn's, for tree steps);
+    `num_heads` the query heads of this process's shard. Returns the number of launches (0 for
+    a backend without Triton kernels)."""
+    triton_backend = backend if isinstance(backend, TritonBackend) else None
+    fallback = getattr(backend, "_fallback", None)  # FlashAttentionBackend's tree-step backend
+    if isinstance(fallback, TritonBackend):
+        triton_backend = fallback
+    if triton_backend is None:
+        return 0
+    start = time.perf_counter()
+    launches = triton_backend.warm_up(kv_caches, num_heads)
+    logger.info(
+        "compiled the Triton attention kernels (%d warm-up launches) in %.1f s",
+        launches,
+        time.perf_counter() - start,
+    )
+    return launches

@@ -73,9 +73,11 @@ def run_case(
     block_size: int,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    backend: TritonBackend | None = None,
 ) -> tuple[float, float]:
-    """Runs one step through both backends on equal caches; returns the largest absolute
-    difference of the outputs and of the caches after the call."""
+    """Runs one step through the torch backend and `backend` (default: a `TritonBackend` of
+    `block_size`) on equal caches; returns the largest absolute difference of the outputs and of
+    the caches after the call."""
     num_heads, num_kv_heads, head_dim = head_shape
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -128,7 +130,7 @@ def run_case(
     expected = reference.forward(q, k, v, ref_cache, ref_meta)
 
     meta = metadata()
-    backend = TritonBackend(block_size)
+    backend = backend or TritonBackend(block_size)
     backend.prepare(meta)
     out = backend.forward(q, k, v, cache, meta)
 
@@ -138,8 +140,13 @@ def run_case(
     return out_err, cache_err
 
 
-def check(seqs: list[Seq], head_shape: tuple[int, int, int], block_size: int) -> None:
-    out_err, cache_err = run_case(seqs, head_shape, block_size)
+def check(
+    seqs: list[Seq],
+    head_shape: tuple[int, int, int],
+    block_size: int,
+    backend: TritonBackend | None = None,
+) -> None:
+    out_err, cache_err = run_case(seqs, head_shape, block_size, backend=backend)
     assert out_err <= 1e-5, out_err
     assert cache_err == 0.0
 
