@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -311,11 +312,12 @@ class TritonBackend(AttentionBackend):
             )
             self.prepare(metadata)
             q = torch.zeros((1, num_heads, head_dim), dtype=kv_cache[0].dtype, device=device)
-            for num_splits in (1, 2):
-                self.attend(
-                    q, kv_cache, metadata.block_tables, metadata.backend_data, 1, num_splits
-                )
-                launches += num_splits  # the split step's merge is a second kernel
+            # Triton compiles for, and launches on, the current device: make it the caches'.
+            with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+                for num_splits in (1, 2):
+                    p = metadata.backend_data
+                    self.attend(q, kv_cache, metadata.block_tables, p, 1, num_splits)
+                    launches += num_splits  # the split step's merge is a second kernel
         return launches
 
 

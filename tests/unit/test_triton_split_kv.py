@@ -19,6 +19,10 @@ from engine.attention.triton_backend import (
     TritonBackend,
     num_kv_splits,
 )
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner, SequenceInput
+from engine.paths import model_path
+from engine.spec_decode.tree import DraftTree
 from tests.unit.test_triton_attention import (
     HEAD_SHAPES,
     SHAPE_IDS,
@@ -112,3 +116,48 @@ def test_split_rule() -> None:
     assert num_kv_splits(132, 32768, sms, MIN_SPLIT_KEYS) == 1
     assert num_kv_splits(160, None, sms, MIN_SPLIT_KEYS) == 1
     assert num_kv_splits(1, 10**6, 1, MIN_SPLIT_KEYS) == 1  # off CUDA: one "SM"
+
+
+def test_split_graph_step_equals_unsplit_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA-graph step (its static buffers run eagerly off CUDA) takes its split count from
+    its row count alone: a tree and a decode row after prompts of 70 and 41 tokens, at bucket
+    8, split 4 ways, give the logits and hidden states of the unsplit eager step."""
+
+    def runner(backend: TritonBackend, graphs: bool) -> ModelRunner:
+        monkeypatch.setattr("engine.model_runner.select_backend", lambda *args: backend)
+        config = EngineConfig(
+            model_path("tiny-llama-gqa-tied"),
+            dtype="float32",
+            block_size=16,
+            num_kv_blocks=16,
+            max_num_seqs=4,
+            max_model_len=128,
+            cpu_kernels=False,
+            cuda_graphs=graphs,
+            cuda_graph_max_rows=8,
+        )
+        return ModelRunner(config)
+
+    tree = DraftTree.from_paths([[11, 12], [13]])
+    prompts = [[(5 * j) % 300 + 3 for j in range(70)], [(3 * j) % 200 + 7 for j in range(41)]]
+    tables = [[0, 1, 2, 3, 4], [5, 6, 7]]
+    step = [
+        SequenceInput(
+            [8, *tree.token_ids],
+            70,
+            tables[0],
+            positions=[70 + d for d in tree.depths],
+            tree_mask=tree.attention_mask(),
+            logits_indices=list(range(4)),
+        ),
+        SequenceInput([9], 41, tables[1]),
+    ]
+    outputs = []
+    split, splits = split_backend(monkeypatch, 16, num_sms=8)
+    for r in (runner(TritonBackend(16), graphs=False), runner(split, graphs=True)):
+        r.execute([SequenceInput(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+        splits.clear()
+        out = r.execute(step)
+        outputs.append((out.logits.clone(), out.hidden_states.clone()))
+    assert splits == [4, 4]  # both layers: 2 KV heads x 1 query block, 8 "SMs"
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
