@@ -41,9 +41,10 @@ MAX_KV_SPLITS = 16
 """The most programs one (query block, KV head) is split into (a power of two)."""
 
 MIN_SPLIT_KEYS = 256
-"""Fewest keys one split walks (a multiple of `BLOCK_N`): eight key tiles, against which the
-split's extra traffic (one fp32 partial row and its log-sum-exp per query row, written once and
-read once by the merge) is under 1% of the K/V bytes it reads."""
+"""Fewest keys one split walks (a multiple of `BLOCK_N`), eight key tiles. Such a split reads
+256 x D keys and values of its KV head; its extra traffic, one fp32 partial row per query head
+written and read back by the merge, is 1/128 of those bytes (fp16) per query head: under 1%
+with MHA, about 6% with groups of 8 query heads."""
 
 _LOG2E = 1.4426950408889634
 
@@ -59,10 +60,10 @@ def num_kv_splits(
     the `num_sms` multiprocessors idle: then each program's keys are split so the grid fills
     about one wave, `ceil(num_sms / num_programs)` splits, at most `MAX_KV_SPLITS`. A split
     walks at least `min_split_keys` keys, so a batch whose longest sequence holds L tokens uses
-    at most `L // min_split_keys` splits (none below twice that). `max_seq_len` None (a CUDA
-    graph's step, whose lengths are unknown at capture) leaves that cap to the kernel, which
-    gives a short context fewer non-empty splits; the choice then depends on the row count
-    only, fixed per captured graph.
+    at most `L // min_split_keys` splits (none below `2 * min_split_keys`). `max_seq_len` None
+    (a CUDA graph's step, whose lengths are unknown at capture) leaves that cap to the kernel,
+    which gives a short context fewer non-empty splits; the choice then depends on the row
+    count only, fixed per captured graph.
     """
     if num_programs >= num_sms:
         return 1
@@ -81,13 +82,14 @@ def rows_per_program(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
     return block_m, block_m // group
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Prepared:
     """Per-step kernel inputs, all slices of one device buffer filled by one host copy.
 
     The buffer holds the int32 arrays first, then the tree masks as bytes; `masks` is the whole
     buffer, so `mask_offsets` are byte offsets into it. `query_lens` and `max_seq_len` are the
-    host's view for the split choice, None for a CUDA graph's step.
+    host's view for the split choice, None for a CUDA graph's step; the first layer's forward
+    sets `num_splits` for the others.
     """
 
     cu_q: torch.Tensor  # [S + 1] int32
@@ -96,6 +98,7 @@ class _Prepared:
     masks: torch.Tensor  # uint8
     query_lens: list[int] | None = None
     max_seq_len: int | None = None
+    num_splits: int | None = None
 
 
 class TritonBackend(AttentionBackend):
@@ -193,24 +196,26 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         self.store(k, v, kv_cache, metadata.slot_mapping)
         p: _Prepared = metadata.backend_data
-        num_kv_heads = kv_cache[0].shape[2]
+        if p.num_splits is None:  # once per step: every layer has the same heads
+            p.num_splits = self._num_splits(q, kv_cache[0].shape[2], p)
+        return self.attend(q, kv_cache, metadata.block_tables, p, metadata.num_seqs, p.num_splits)
+
+    def _num_splits(self, q: torch.Tensor, num_kv_heads: int, p: _Prepared) -> int:
+        """`num_kv_splits` for this step, over its working programs (a graph's: the fewest its
+        rows may fill)."""
         _, block_q = rows_per_program(q.shape[1], num_kv_heads)
         if p.query_lens is None:
-            q_blocks = -(-q.shape[0] // block_q)  # the fewest a graph's rows may fill
+            q_blocks = -(-q.shape[0] // block_q)
         else:
             q_blocks = sum(-(-n // block_q) for n in p.query_lens)
-        splits = num_kv_splits(
-            q_blocks * num_kv_heads, p.max_seq_len, self._sms(q.device), self.min_split_keys
-        )
-        return self.attend(q, kv_cache, metadata.block_tables, p, metadata.num_seqs, splits)
-
-    def _sms(self, device: torch.device) -> int:
         if self.num_sms is None:
-            cuda = device.type == "cuda"
+            cuda = q.device.type == "cuda"
             self.num_sms = (
-                torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+                torch.cuda.get_device_properties(q.device).multi_processor_count if cuda else 1
             )
-        return self.num_sms
+        return num_kv_splits(
+            q_blocks * num_kv_heads, p.max_seq_len, self.num_sms, self.min_split_keys
+        )
 
     def attend(
         self,
@@ -222,6 +227,8 @@ class TritonBackend(AttentionBackend):
         num_splits: int,
     ) -> torch.Tensor:  # [N, H, D]
         """The kernel launches of one step, its keys split `num_splits` ways (1: unsplit)."""
+        if not 1 <= num_splits <= MAX_KV_SPLITS:
+            raise ValueError(f"num_splits must be in [1, {MAX_KV_SPLITS}], got {num_splits}")
         key_cache, value_cache = kv_cache
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = key_cache.shape[2]
