@@ -9,10 +9,13 @@ through the backend's `native_specialize_impl`: tensors by dtype and 16-byte ali
 by type and by being 1 or divisible by 16, constexprs by value. The interpreter has no such
 cache, so `variant_key` calls those same functions of the installed Triton, with the CUDA
 backend, on the arguments of every launch, which the test observes by wrapping each kernel's
-`run` (the kernel still runs). The run starts a model runner (its warm-up launches are the
-reference set) and serves prompts of different lengths with speculation: prefill chunks, decode
-rows, draft trees, CUDA-graph steps of several buckets and eager steps, through a backend that
-splits the keys of small grids, so that split launches of several split counts occur too.
+`run` (the kernel still runs). With `TRITON_INTERPRET=0` on CUDA it also checks that Triton's
+own compile cache does not grow while serving.
+
+The run starts a model runner (its warm-up launches are the reference set) and serves prompts of
+different lengths with speculation: prefill chunks, decode rows, draft trees, CUDA-graph steps
+of several buckets and eager steps, through a backend that splits the keys of small grids, so
+that split launches of several split counts occur too.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from engine.model_runner import ModelRunner
 from engine.paths import model_path
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.drafter import Drafter
+from tests.unit.test_triton_attention import DEVICE, INTERPRETED
 from tools.scripted_proposer import ScriptedProposer
 
 KERNELS = {
@@ -90,6 +94,16 @@ def recorded_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Launch]]
         yield launches
 
 
+def compiled_variants() -> dict[str, int]:
+    """How many variants of each kernel Triton has compiled on CUDA (none in the interpreter)."""
+    if INTERPRETED:
+        return {}
+    return {
+        name: sum(len(caches[0]) for caches in kernel.device_caches.values())
+        for name, kernel in KERNELS.items()
+    }
+
+
 def keys(launches: list[Launch], honour_lists: bool = True) -> set[tuple[str, str]]:
     return {(n, variant_key(KERNELS[n], a, k, honour_lists)) for n, a, k in launches}
 
@@ -115,6 +129,7 @@ def test_serving_needs_no_variant_the_warm_up_did_not_make(
     monkeypatch.setattr("engine.model_runner.select_backend", lambda *args: backend)
     config = EngineConfig(
         model_path("tiny-llama-gqa-tied"),
+        device=DEVICE,
         dtype="float32",
         block_size=4,
         num_kv_blocks=64,
@@ -130,15 +145,18 @@ def test_serving_needs_no_variant_the_warm_up_did_not_make(
     assert {name for name, _ in warm} == set(KERNELS)
     assert len(warm) == 3  # unsplit, split and merge: one cache alignment
 
+    compiled = compiled_variants()
     with recorded_launches(monkeypatch) as serving:
         serve(runner)
+    assert compiled_variants() == compiled  # on CUDA: Triton's own cache did not grow
     paged = [a for n, a, _ in serving if n == "paged_attention"]
-    # What varies between launches (see triton_kernels.py): the batch's sequences, the block
-    # table's width and the alignment of the step buffer's slices; splits of several counts.
-    assert len({a[12] for a in paged}) >= 3  # num_seqs
-    assert {w % 16 == 0 for w in {a[22] for a in paged}} == {True, False}  # block table stride
-    assert len({a[8].data_ptr() % 16 for a in paged}) >= 2  # seq_lens slices
-    assert {a[13] for a in paged} == {1, 2, 4}  # num_splits
+    if INTERPRETED:  # on CUDA graph steps replay without launching through Triton
+        # What varies between launches (see triton_kernels.py): the batch's sequences, the
+        # block table's width and the alignment of the step buffer's slices; split counts.
+        assert len({a[12] for a in paged}) >= 3  # num_seqs
+        assert {w % 16 == 0 for w in {a[22] for a in paged}} == {True, False}  # table stride
+        assert len({a[8].data_ptr() % 16 for a in paged}) >= 2  # seq_lens slices
+        assert {a[13] for a in paged} == {1, 2, 4}  # num_splits
     assert keys(serving) <= warm
 
     # The same launches with every argument specialized need variants the warm-up did not make:
@@ -149,7 +167,7 @@ def test_serving_needs_no_variant_the_warm_up_did_not_make(
 def test_variant_key_sees_what_stays_specialized(monkeypatch: pytest.MonkeyPatch) -> None:
     """The key is not blind: the output's alignment, a cache stride's divisibility and the
     constexprs change it; the batch's integers and the step buffer's alignment do not."""
-    cache = torch.zeros(4, 4, 2, 16)
+    cache = torch.zeros(4, 4, 2, 16, device=DEVICE)
     with recorded_launches(monkeypatch) as launches:
         TritonBackend(4).warm_up([(cache, cache)], 4)
     name, args, kwargs = launches[0]
@@ -160,7 +178,7 @@ def test_variant_key_sees_what_stays_specialized(monkeypatch: pytest.MonkeyPatch
         return variant_key(kernel, (*args[:i], value, *args[i + 1 :]), kwargs)
 
     def misaligned(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+        return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
 
     assert changed(0, misaligned(args[0])) != key  # output 4 bytes off 16
     assert changed(19, 17) != key  # cache block stride not a multiple of 16
