@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -99,21 +101,21 @@ def test_makefile_installs_with_the_constraints() -> None:
     assert installs and all("-c constraints.txt" in line for line in installs), installs
 
 
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "constraints.txt")
+BUILD_TREES = ("proto", "engine", "server", "training")
+"""What the images copy to build the package (the Dockerfile's COPY lines)."""
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel built from a copy of the checkout without its git-ignored files (so without
-    stubs: the build makes them)."""
-    tracked = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
+    """A wheel built from a copy of the package's sources without generated stubs (the build
+    makes them) or caches."""
     src = tmp_path_factory.mktemp("src")
-    for name in filter(None, (t.decode() for t in tracked)):
-        if (REPO / name).is_file():
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            (src / name).write_bytes((REPO / name).read_bytes())
+    for name in BUILD_INPUTS:
+        shutil.copy2(REPO / name, src / name)
+    skip = shutil.ignore_patterns("*_pb2*", ".gen-*", "__pycache__", "*.pyc")
+    for name in BUILD_TREES:
+        shutil.copytree(REPO / name, src / name, ignore=skip)
     assert not list((src / "server" / "pb").glob("*_pb2*"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
@@ -200,3 +202,17 @@ def test_tracing_without_the_otel_extra_names_the_fix() -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("RuntimeError: OTLP_ENDPOINT is set"), last
     assert "pip install 'specserve[otel]'" in last
+
+
+def test_the_images_copy_what_the_build_reads() -> None:
+    """Each builder stage of the Dockerfile copies every input of the wheel build above."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    for stage in re.split(r"^FROM ", dockerfile, flags=re.M)[1:]:
+        if not stage.split("\n", 1)[0].endswith("-builder"):
+            continue
+        copied = {
+            name.rstrip("/")
+            for line in re.findall(r"^COPY (?!--from)(.*)$", stage, re.M)
+            for name in line.split()[:-1]
+        }
+        assert copied >= {*BUILD_INPUTS, *BUILD_TREES}, stage.split("\n", 1)[0]
