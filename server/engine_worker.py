@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import threading
 import time
 import uuid
@@ -25,12 +24,6 @@ from server.errors import GenerationError
 from server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
-
-GIL_SWITCH_INTERVAL_S = 0.0005
-"""The process's GIL switch interval once a worker starts (Python's default: 5 ms). Every torch
-op of an engine step releases the GIL and takes it back; when the event loop holds it meanwhile,
-the engine thread waits up to one interval, hundreds of times per step."""
-
 
 Sink = Callable[[EngineOutput | BaseException], None]
 
@@ -81,9 +74,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
-        """Start the engine thread; sets the process's GIL switch interval to
-        GIL_SWITCH_INTERVAL_S."""
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        """Start the engine thread."""
         self._thread.start()
 
     def submit(self, submissions: Sequence[Submission]) -> None:

@@ -54,6 +54,12 @@ from server.validation import Limits
 logger = logging.getLogger("specserve")
 
 _HEALTH_PROBE_TIMEOUT_S = 60.0
+GIL_SWITCH_INTERVAL_S = 0.0005
+"""The server process's GIL switch interval (Python's default: 5 ms), set once by `main` before
+anything starts; nothing else in the server sets it. Every torch op of an engine step releases
+the GIL and takes it back; while the event loop's thread holds it, the engine thread waits up to
+one interval for it, hundreds of times per step, so under load the default interval slows
+decoding; `make bench-gil` measures decode with each interval beside a busy Python thread."""
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
@@ -310,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (`server.cli.termination_log_path`), as TGIS's launcher writes its panics there."""
     setup_logging(log_level(), json_output_requested(argv))
     prometheus_client.disable_created_metrics()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     termination_log, create_log = termination_log_path()
     try:
         launch = parse_launcher(argv)

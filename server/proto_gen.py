@@ -1,7 +1,8 @@
 """Generate `server/pb/generation_pb2{.py,.pyi,_grpc.py}` from `proto/generation.proto`.
 
-Run as ``python -m server.proto_gen [--force]``; `import server.pb` also calls
-`ensure_generated()`, so the stubs never need to be committed.
+Run as ``python -m server.proto_gen [--force]`` (``make gen-proto``) in a checkout; every build of
+the package runs it too (setup.py), so the stubs are never committed and an installed specserve
+needs no grpcio-tools. `import server.pb` never generates anything.
 
 How the imports come out right without editing generated code: protoc names generated modules
 after the proto's *virtual* path, the path relative to its ``--proto_path``. A plain
@@ -20,7 +21,6 @@ import argparse
 import os
 import shutil
 import tempfile
-import warnings
 from importlib.resources import files
 from pathlib import Path
 
@@ -51,51 +51,36 @@ def protoc_args(proto_file: Path, package_dir: str, out_dir: Path) -> list[str]:
     ]
 
 
-def is_stale() -> bool:
-    """True if an output is missing or older than the proto (which must exist)."""
+def is_stale(pb_dir: Path = PB_DIR) -> bool:
+    """True if an output in `pb_dir` is missing or older than the proto (which must exist)."""
     proto_mtime = PROTO_FILE.stat().st_mtime_ns
-    return any(not out.is_file() or out.stat().st_mtime_ns < proto_mtime for out in OUTPUTS)
+    outputs = [pb_dir / name for name in OUTPUT_NAMES]
+    return any(not out.is_file() or out.stat().st_mtime_ns < proto_mtime for out in outputs)
 
 
-def generate(force: bool = False) -> None:
-    """Compile `PROTO_FILE` into `PB_DIR` if `force` or the outputs are stale.
+def generate(force: bool = False, pb_dir: Path = PB_DIR) -> None:
+    """Compile `PROTO_FILE` into `pb_dir` (an existing ``server/pb`` package directory: the
+    checkout's, or a build's copy) if `force` or the outputs there are stale.
 
-    Outputs are written to a temporary directory inside `PB_DIR` and moved into place one by one
+    Outputs are written to a temporary directory inside `pb_dir` and moved into place one by one
     with `os.replace`, so a concurrent importer sees either an old or a new complete file.
     Raises FileNotFoundError if the proto is missing and RuntimeError if protoc fails.
     """
     if not PROTO_FILE.is_file():
         raise FileNotFoundError(f"{PROTO_FILE} not found: stubs can only be built from a checkout")
-    if not force and not is_stale():
+    if not force and not is_stale(pb_dir):
         return
-    from grpc_tools import protoc  # imported here: heavy, and only needed to regenerate
+    from grpc_tools import protoc  # imported here: heavy, and only needed to generate
 
-    tmp = Path(tempfile.mkdtemp(prefix=".gen-", dir=PB_DIR))
+    tmp = Path(tempfile.mkdtemp(prefix=".gen-", dir=pb_dir))
     try:
         rc = protoc.main(protoc_args(PROTO_FILE, PACKAGE_DIR, tmp))
         if rc != 0:
             raise RuntimeError(f"grpc_tools.protoc failed on {PROTO_FILE} (exit code {rc})")
         for name in OUTPUT_NAMES:
-            os.replace(tmp / PACKAGE_DIR / name, PB_DIR / name)
+            os.replace(tmp / PACKAGE_DIR / name, pb_dir / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def ensure_generated() -> None:
-    """Make the stubs importable; called by ``import server.pb``.
-
-    Without the proto (an installed copy), whatever was packaged is used as is. Stale stubs that
-    cannot be rewritten (read-only install) give a warning instead of an error; missing ones
-    raise.
-    """
-    if not PROTO_FILE.is_file() or not is_stale():
-        return
-    try:
-        generate()
-    except OSError as err:
-        if not all(out.is_file() for out in OUTPUTS):
-            raise
-        warnings.warn(f"using stale {PB_DIR} stubs: cannot regenerate ({err})", stacklevel=2)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -162,11 +162,18 @@ def rpc_span(
 
 def start_tracing(endpoint: str, service_name: str | None) -> RequestTracer:
     """A tracer exporting in batches over OTLP/gRPC to `endpoint` (``http://`` for plaintext).
-    `service_name` None: OTEL_SERVICE_NAME if set, else ``specserve``."""
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    `service_name` None: OTEL_SERVICE_NAME if set, else ``specserve``. Raises RuntimeError when
+    the OpenTelemetry SDK or its OTLP exporter (the ``otel`` extra) is not installed."""
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as e:
+        raise RuntimeError(
+            f"OTLP_ENDPOINT is set but the OpenTelemetry SDK or its OTLP exporter is not "
+            f"installed ({e}): pip install 'specserve[otel]', or unset OTLP_ENDPOINT"
+        ) from e
 
     resource = Resource.create({SERVICE_NAME: service_name} if service_name else {})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):

@@ -9,7 +9,6 @@ Pure functions: no gRPC server, no engine, no tokenizer. The servicer uses them 
 3. `validate_input` once per input: truncation, the length checks, TOKEN_LIMIT clamping and the
    per-input random seed.
 
-`validate_batched_request` / `validate_single_request` chain 1 and 3 when token counts are known.
 Every failure raises `ValidationError` whose message is TGIS's verbatim; the servicer returns it as
 INVALID_ARGUMENT. The result, `DecodingParams`, holds no protobuf types.
 
@@ -32,7 +31,6 @@ from __future__ import annotations
 import math
 import random
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -306,39 +304,3 @@ def validate_input(
     if effective + out.max_new_tokens > max_len:
         out = replace(out, max_new_tokens=max_len - effective, max_is_token_limit=True)
     return ValidatedInput(input_length, prefix_length, out)
-
-
-def validate_batched_request(
-    request: pb.BatchedGenerationRequest,
-    limits: Limits,
-    input_token_counts: Sequence[int],
-    prefix_length: int = 0,
-    rng: random.Random | None = None,
-) -> list[ValidatedInput]:
-    """Validate a whole Generate call whose inputs are already tokenized.
-
-    `input_token_counts[i]` is the full token count of ``request.requests[i]`` (see
-    `validate_input`). An empty batch is answered by TGIS with an empty response and no
-    validation at all: this returns [] without looking at `params`. The first invalid input fails
-    the whole call.
-    """
-    if len(input_token_counts) != len(request.requests):
-        raise ValueError(
-            f"{len(request.requests)} inputs but {len(input_token_counts)} token counts"
-        )
-    if not request.requests:
-        return []
-    params = request_parameters(request, limits)
-    return [validate_input(params, n, limits, prefix_length, rng) for n in input_token_counts]
-
-
-def validate_single_request(
-    request: pb.SingleGenerationRequest,
-    limits: Limits,
-    input_token_count: int,
-    prefix_length: int = 0,
-    rng: random.Random | None = None,
-) -> ValidatedInput:
-    """Validate a GenerateStream call whose input is already tokenized (see `validate_input`)."""
-    params = request_parameters(request, limits)
-    return validate_input(params, input_token_count, limits, prefix_length, rng)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from engine.attention.fallback import triton_or_torch
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
 
@@ -53,12 +54,3 @@ def select_backend(
         else:
             return FlashAttentionBackend(block_size)
     return triton_or_torch(block_size)
-
-
-def triton_or_torch(block_size: int | None) -> AttentionBackend:
-    """The Triton kernel's backend, or the torch backend where triton is missing."""
-    try:
-        from engine.attention.triton_backend import TritonBackend
-    except ImportError:
-        return TorchAttentionBackend(block_size or 16)
-    return TritonBackend(block_size)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from flash_attn import flash_attn_varlen_func
 
-from engine.attention import triton_or_torch
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from engine.attention.fallback import triton_or_torch
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.models.llama import LlamaConfig
+
+class RopeConfig(Protocol):
+    """What RoPE reads of a model's configuration (`engine.models.config.LlamaConfig` has it)."""
+
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
 
 
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+def rope_inv_freq(config: RopeConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32, as transformers computes them."""
     dim = config.head_dim
     inv_freq = 1.0 / (
@@ -46,7 +56,7 @@ class RopeStep:
 class RotaryEmbedding:
     """Rotate-half RoPE from a cos/sin table grown on demand; looked up once per step."""
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: RopeConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.inv_freq = rope_inv_freq(config).to(device)
         self.dtype = dtype
         self.head_dim = config.head_dim

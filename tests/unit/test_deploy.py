@@ -49,7 +49,8 @@ def test_dockerfile_targets_carry_tgis_defaults() -> None:
         assert re.search(r"^USER 2000$", stage, re.M)
         assert re.search(r"^HEALTHCHECK .*/health", stage, re.M)
         assert re.search(r'^CMD \["specserve"\]$', stage, re.M)
-    assert "python -m server.proto_gen" in dockerfile
+    for name in ("cpu-builder", "cuda-builder"):  # the tested versions, stubs built by pip
+        assert "pip install -c constraints.txt" in _stage(dockerfile, name)
 
 
 def test_compose_gpu_service_and_cpu_profile() -> None:

@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 from google.protobuf import json_format
+from transformers import AutoTokenizer
 
+from engine.paths import model_path
+from server.input_preparer import InputPreparer
 from server.messages import (
     ValidationError,
     clip,
@@ -22,6 +25,7 @@ from server.messages import (
     prefix_not_found_reason,
     tokenizer_error,
 )
+from server.metrics import ServerMetrics
 from server.pb import generation_pb2 as pb
 from server.validation import (
     DecodingParams,
@@ -31,16 +35,19 @@ from server.validation import (
     check_input_size,
     convert_parameters,
     request_parameters,
-    validate_batched_request,
     validate_input,
     validate_parameters,
-    validate_single_request,
 )
 
 # The limits of TGIS's integration tests (--max-sequence-length 200 --max-new-tokens 169).
 LIMITS = Limits(max_sequence_length=200, max_new_tokens=169)
 STOP_MSG = "can specify at most 6 non-empty stop sequences, each not more than 240 UTF8 bytes"
 DETAIL_MSG = "must request input and/or generated tokens to request extra token detail"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(str(model_path("tiny-llama-gqa-tied")))
 
 
 def batch(params: dict[str, Any] | None = None, n: int = 1) -> pb.BatchedGenerationRequest:
@@ -59,9 +66,20 @@ def params_of(params: dict[str, Any] | None) -> DecodingParams:
     return request_parameters(batch(params), LIMITS)
 
 
+def validated(
+    params: dict[str, Any] | None,
+    tokens: int,
+    prefix_length: int = 0,
+    rng: random.Random | None = None,
+) -> ValidatedInput:
+    """One input of `tokens` tokens as the servicer validates it: `request_parameters` on the
+    call, then `validate_input` on the input."""
+    return validate_input(params_of(params), tokens, LIMITS, prefix_length, rng)
+
+
 def error_of(params: dict[str, Any] | None, tokens: int = 10) -> str:
     with pytest.raises(ValidationError) as info:
-        validate_batched_request(batch(params), LIMITS, [tokens])
+        validated(params, tokens)
     assert str(info.value) == info.value.message
     return info.value.message
 
@@ -269,7 +287,7 @@ def test_input_size_limit() -> None:
 def test_input_too_long() -> None:
     assert error_of(None, tokens=200) == "input tokens (200) plus prefix length (0) must be < 200"
     with pytest.raises(ValidationError) as info:
-        validate_batched_request(batch(None), LIMITS, [190], prefix_length=10)
+        validated(None, 190, prefix_length=10)
     assert info.value.message == "input tokens (190) plus prefix length (10) must be < 200"
 
 
@@ -278,14 +296,14 @@ def test_input_plus_min_too_long() -> None:
     assert error_of(stopping, tokens=69) == (
         "input tokens (69) plus prefix length (0) plus min_new_tokens (150) must be <= 200"
     )
-    (ok,) = validate_batched_request(batch(stopping), LIMITS, [50])
+    ok = validated(stopping, 50)
     assert (ok.params.min_new_tokens, ok.params.max_new_tokens) == (150, 150)
     assert ok.params.max_is_token_limit
 
 
 def test_missing_request() -> None:
     with pytest.raises(ValidationError) as info:
-        validate_single_request(pb.SingleGenerationRequest(model_id="x"), LIMITS, 5)
+        request_parameters(pb.SingleGenerationRequest(model_id="x"), LIMITS)
     assert info.value.message == "missing request"
 
 
@@ -439,44 +457,45 @@ def test_limits() -> None:
 
 
 def test_token_limit_clamping() -> None:
-    (v,) = validate_batched_request(batch({"stopping": {"maxNewTokens": 100}}), LIMITS, [186])
+    v = validated({"stopping": {"maxNewTokens": 100}}, 186)
     assert (v.input_length, v.params.max_new_tokens, v.params.max_is_token_limit) == (
         186,
         14,
         True,
     )
     params = {"stopping": {"maxNewTokens": 100, "minNewTokens": 2}}
-    (v,) = validate_batched_request(batch(params), LIMITS, [198])
+    v = validated(params, 198)
     assert (v.params.max_new_tokens, v.params.max_is_token_limit) == (2, True)
-    (v,) = validate_batched_request(batch({"stopping": {"maxNewTokens": 100}}), LIMITS, [100])
+    v = validated({"stopping": {"maxNewTokens": 100}}, 100)
     assert (v.params.max_new_tokens, v.params.max_is_token_limit) == (100, False)
-    (v,) = validate_batched_request(batch(None), LIMITS, [150], prefix_length=40)
+    v = validated(None, 150, prefix_length=40)
     assert (v.prefix_length, v.params.max_new_tokens, v.params.max_is_token_limit) == (40, 10, True)
 
 
 def test_truncation() -> None:
-    (v,) = validate_batched_request(batch({"truncateInputTokens": 50}), LIMITS, [250])
+    v = validated({"truncateInputTokens": 50}, 250)
     assert (v.input_length, v.params.truncate_input_tokens) == (50, 50)
     # Truncation that would not shorten the input is dropped.
-    (v,) = validate_batched_request(batch({"truncateInputTokens": 50}), LIMITS, [40])
+    v = validated({"truncateInputTokens": 50}, 40)
     assert (v.input_length, v.params.truncate_input_tokens) == (40, 0)
-    (v,) = validate_batched_request(batch({"truncateInputTokens": 1}), LIMITS, [1])
+    v = validated({"truncateInputTokens": 1}, 1)
     assert (v.input_length, v.params.truncate_input_tokens) == (1, 0)
 
 
 def test_seeds() -> None:
-    sample = {"method": "SAMPLE", "sampling": {"topK": 20}}
-    validated = validate_batched_request(batch(sample, n=5), LIMITS, [5] * 5, rng=random.Random(0))
-    seeds = [v.params.seed for v in validated]
+    # The servicer validates each input of a call with the call's parameters.
+    sample = params_of({"method": "SAMPLE", "sampling": {"topK": 20}})
+    rng = random.Random(0)
+    inputs = [validate_input(sample, 5, LIMITS, rng=rng) for _ in range(5)]
+    seeds = [v.params.seed for v in inputs]
     assert all(s is not None and 0 <= s <= 4294967295 for s in seeds)
     assert len(set(seeds)) == 5  # one independent seed per input
-    validated = validate_batched_request(batch(sample, n=3), LIMITS, [5] * 3)  # OS entropy
-    assert all(v.params.seed is not None for v in validated)
-    fixed = {"method": "SAMPLE", "sampling": {"seed": 99}}
-    validated = validate_batched_request(batch(fixed, n=3), LIMITS, [5] * 3)
-    assert [v.params.seed for v in validated] == [99, 99, 99]
-    (v,) = validate_batched_request(batch(None), LIMITS, [5])
-    assert v.params.seed is None  # greedy
+    inputs = [validate_input(sample, 5, LIMITS) for _ in range(3)]  # OS entropy
+    assert all(v.params.seed is not None for v in inputs)
+    fixed = params_of({"method": "SAMPLE", "sampling": {"seed": 99}})
+    inputs = [validate_input(fixed, 5, LIMITS) for _ in range(3)]
+    assert [v.params.seed for v in inputs] == [99, 99, 99]
+    assert validated(None, 5).params.seed is None  # greedy
 
 
 def test_validate_input_leaves_params_alone() -> None:
@@ -490,17 +509,17 @@ def test_validate_input_leaves_params_alone() -> None:
     assert (params.seed, params.max_new_tokens) == (None, 100)
 
 
-def test_empty_batch_skips_validation() -> None:
-    bad = {"stopping": {"maxNewTokens": 10_000}}
-    assert validate_batched_request(batch(bad, n=0), LIMITS, []) == []
-    with pytest.raises(ValueError, match="token counts"):
-        validate_batched_request(batch(None, n=2), LIMITS, [1])
-
-
-def test_first_bad_input_fails_the_batch() -> None:
+def test_first_bad_input_fails_the_call(tokenizer: Any) -> None:
+    """The servicer's InputPreparer validates a call's inputs in order; the first invalid one
+    is the call's error."""
+    preparer = InputPreparer(tokenizer, LIMITS, ServerMetrics(200, 169, 8))
+    lengths = [len(tokenizer(t)["input_ids"]) for t in ("hi", " a" * 250, " b" * 300)]
+    assert lengths[0] < 200 <= lengths[1] < lengths[2]
     with pytest.raises(ValidationError) as info:
-        validate_batched_request(batch(None, n=3), LIMITS, [5, 250, 300])
-    assert info.value.message == "input tokens (250) plus prefix length (0) must be < 200"
+        preparer.prepare_all(["hi", " a" * 250, " b" * 300], params_of(None))
+    assert info.value.message == (
+        f"input tokens ({lengths[1]}) plus prefix length (0) must be < 200"
+    )
 
 
 def test_single_request_round_trip() -> None:
@@ -512,7 +531,7 @@ def test_single_request_round_trip() -> None:
     }
     msg = json_format.ParseDict(body, pb.SingleGenerationRequest())
     msg = pb.SingleGenerationRequest.FromString(msg.SerializeToString())
-    v = validate_single_request(msg, LIMITS, input_token_count=60)
+    v = validate_input(request_parameters(msg, LIMITS), 60, LIMITS)
     assert v.input_length == 60
     assert (v.params.greedy, v.params.min_new_tokens, v.params.max_new_tokens) == (True, 100, 100)
     assert not v.params.max_is_token_limit
