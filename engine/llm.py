@@ -149,7 +149,7 @@ class LLM:
             for request_id, prompt in zip(ids, encoded, strict=True):
                 self.engine.add_request(request_id, prompt, params, None, prompt_prefix)
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step().outputs:
                     tokens[out.request_id] += out.new_token_ids
                     if out.finish_reason is not None:
                         reasons[out.request_id] = out.finish_reason.value
