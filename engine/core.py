@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,7 +21,7 @@ from engine.model_runner import ModelOutput, ModelRunner
 from engine.outputs import EngineOutput, EngineStepOutput, RequestEvent, StepStats
 from engine.outputs import RequestEventType as Event
 from engine.request import PromptPrefix, Request
-from engine.sampling.params import SamplingParams
+from engine.sampling.params import SamplingParams, draw_seed
 from engine.sampling.prompt_logprobs import PromptLogprobs
 from engine.sampling.sampler import Choices, Sampler, TokenLogprobs
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
@@ -97,12 +97,15 @@ class LLMEngine:
         time_limit_s: float | None = None,
         prompt_prefix: PromptPrefix | None = None,
     ) -> None:
-        """Queue a request. With `prompt_prefix` (prompt tuning), its embeddings come before
-        `prompt_token_ids` and count toward the request's length; they must have the model's
-        hidden size (else ValueError; other dtypes and devices are converted), and a request
-        with a prefix cannot ask for `prompt_logprobs` (ValueError)."""
+        """Queue a request. A sampling request without a seed gets one (`draw_seed`). With
+        `prompt_prefix` (prompt tuning), its embeddings come before `prompt_token_ids` and count
+        toward the request's length; they must have the model's hidden size (else ValueError;
+        other dtypes and devices are converted), and a request with a prefix cannot ask for
+        `prompt_logprobs` (ValueError)."""
         if prompt_prefix is not None:
             prompt_prefix = self._model_prefix(prompt_prefix, params)
+        if not params.greedy and params.seed is None:
+            params = replace(params, seed=draw_seed())
         now = time.monotonic()
         self.scheduler.add_request(
             Request(
@@ -115,7 +118,6 @@ class LLMEngine:
                 prompt_prefix=prompt_prefix,
             )
         )
-        self.sampler.add_request(request_id, params)
         self._events.append(RequestEvent(request_id, Event.QUEUED, now))
 
     def _model_prefix(self, prefix: PromptPrefix, params: SamplingParams) -> PromptPrefix:
@@ -183,7 +185,6 @@ class LLMEngine:
                     events.append(RequestEvent(request_id, Event.FINISHED, now))
         for out in outputs:
             if out.finished:
-                self.sampler.remove_request(out.request_id)
                 self.prompt_logprobs.pop(out.request_id)
         trees: dict[str, DraftTree] = {}
         if self.drafter is not None:
