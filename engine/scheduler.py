@@ -47,8 +47,7 @@ class SchedulerOutput:
     finished_requests: list[Request] = field(default_factory=list)
     """Finished by the scheduler since the last step (aborted, time limit, ignored); not run."""
     admitted_req_ids: list[str] = field(default_factory=list)
-    """Moved from the waiting queue into the running batch by this step (new, or preempted
-    before), in admission order."""
+    """Moved from the waiting queue (new or preempted) into the running batch, in order."""
 
 
 @dataclass(frozen=True)
@@ -137,8 +136,7 @@ class Scheduler:
                 req.draft_tree = tree if tree.num_drafts else None
 
     def drop_draft_trees(self) -> None:
-        """Forget every draft tree proposed for the next step: those requests decode it
-        plainly."""
+        """Forget the draft trees proposed for the next step (those requests decode plainly)."""
         for req in self.running:
             req.draft_tree = None
 
