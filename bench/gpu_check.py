@@ -413,7 +413,7 @@ def run_engine(
         tokens[f"r{i}"] = []
     spec_steps = accepted = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id] += out.new_token_ids
             if out.draft_depth:
                 spec_steps += 1

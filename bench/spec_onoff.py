@@ -72,7 +72,7 @@ def run_level(
         start = time.perf_counter()
         num_tokens = num_spec_steps = 0
         while time.perf_counter() < start + seconds:
-            outputs = engine.step()
+            outputs = engine.step().outputs
             num_spec_steps += any(o.draft_depth for o in outputs)
             for out in outputs:
                 num_tokens += len(out.new_token_ids)

@@ -209,7 +209,7 @@ def run_offline(
             result.spec_steps[req.request_id] = 0
             result.accepted[req.request_id] = []
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in engine.step().outputs:
                 if out.error is not None:
                     raise RuntimeError(f"{out.request_id}: {out.error}")
                 result.tokens[out.request_id] += out.new_token_ids

@@ -9,67 +9,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.batch import StepBatch, build_batch, count_prefill_tokens
 from engine.config import SchedulerConfig
 from engine.hooks import TokenObserver
 from engine.kv_cache import KVCacheManager
-from engine.model_runner import ModelOutput, ModelRunner, SequenceInput
+from engine.model_runner import ModelOutput, ModelRunner
+from engine.outputs import EngineOutput, EngineStepOutput, RequestEvent, StepStats
+from engine.outputs import RequestEventType as Event
 from engine.request import PromptPrefix, Request
-from engine.sampling.params import SamplingParams
+from engine.sampling.params import SamplingParams, draw_seed
 from engine.sampling.prompt_logprobs import PromptLogprobs
 from engine.sampling.sampler import Choices, Sampler, TokenLogprobs
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
-from engine.spec_decode.drafter import Drafter
+from engine.spec_decode.drafter import Drafter, DraftingView
 from engine.spec_decode.policy import Method
 from engine.spec_decode.tree import DraftTree
-from engine.spec_decode.verifier import Verification, accepted_slot_moves
+from engine.spec_decode.verifier import accepted_slot_moves
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineOutput(RequestOutput):
-    """A `RequestOutput` plus, when the request's params ask for `logprobs`, one
-    `TokenLogprobs` per token of `new_token_ids`."""
-
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    """With `SamplingParams.prompt_logprobs`, on the request's first output with tokens: the
-    raw (unprocessed) details of prompt tokens 1 .. n-1, each given the tokens before it."""
-    draft_depth: int = 0
-    """The longest path of the draft tree verified this step (0: no speculation); the request
-    gained `num_accepted_tokens` of those drafts plus one token of its own."""
-    error: str | None = None
-    """Why the request finished with FinishReason.ERROR, when its own logits or token choice
-    failed this step."""
-
-
-@dataclass
-class _Batch:
-    """One step's model inputs and the logits rows tokens are chosen from: one per request that
-    reaches its last known token, one per node of each draft tree (in row order)."""
-
-    inputs: list[SequenceInput] = field(default_factory=list)
-    sampling: list[tuple[Request, int]] = field(default_factory=list)
-    """(request, index of its choice) for requests that reach their last known token."""
-    verifying: list[Verification] = field(default_factory=list)
-    choice_rows: list[int] = field(default_factory=list)  # [C] logits rows to choose from
-    choice_requests: list[Request] = field(default_factory=list)  # [C]
-    choice_emitted: list[list[int]] = field(default_factory=list)
-    """[C]: the tokens the request would have chosen this step before the row (a node's path)."""
-    prompt_rows: list[tuple[Request, int, list[int]]] = field(default_factory=list)
-    """(request, first row, the prompt positions its rows score) for prompt logprobs."""
-    num_rows: int = 0
-
-    def add_choice(self, row: int, request: Request, emitted: list[int]) -> int:
-        """Choose a token from logits row `row`; returns the choice's index."""
-        self.choice_rows.append(row)
-        self.choice_requests.append(request)
-        self.choice_emitted.append(emitted)
-        return len(self.choice_rows) - 1
 
 
 @dataclass
@@ -82,7 +43,8 @@ class _Results:
 
 class LLMEngine:
     """Owns the scheduler, the KV manager and the model runner; `step()` advances every
-    scheduled request by one forward pass and returns what each request gained.
+    scheduled request by one forward pass and returns what each request gained, the step's
+    figures and the requests' events (`EngineStepOutput`).
 
     With a `drafter`, requests draft a token tree after each step (see `Drafter`) and
     the next step verifies it in the same forward pass as everything else: the request gains the
@@ -114,6 +76,18 @@ class LLMEngine:
         self.observers: list[TokenObserver] = []
         self.sampler = Sampler()
         self.prompt_logprobs = PromptLogprobs()
+        self._events: list[RequestEvent] = []  # since the last step
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest a request may grow (prompt + output): the configured limit, or less
+        when the whole KV pool holds fewer tokens."""
+        return self.scheduler.max_model_len
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The KV pool's blocks (`StepStats.num_used_blocks` of them are held)."""
+        return self.kv.num_blocks
 
     def add_request(
         self,
@@ -123,12 +97,15 @@ class LLMEngine:
         time_limit_s: float | None = None,
         prompt_prefix: PromptPrefix | None = None,
     ) -> None:
-        """Queue a request. With `prompt_prefix` (prompt tuning), its embeddings come before
-        `prompt_token_ids` and count toward the request's length; they must have the model's
-        hidden size (else ValueError; other dtypes and devices are converted), and a request
-        with a prefix cannot ask for `prompt_logprobs` (ValueError)."""
+        """Queue a request. A sampling request without a seed gets one (`draw_seed`). With
+        `prompt_prefix` (prompt tuning), its embeddings come before `prompt_token_ids` and count
+        toward the request's length; they must have the model's hidden size (else ValueError;
+        other dtypes and devices are converted), and a request with a prefix cannot ask for
+        `prompt_logprobs` (ValueError)."""
         if prompt_prefix is not None:
             prompt_prefix = self._model_prefix(prompt_prefix, params)
+        if not params.greedy and params.seed is None:
+            params = replace(params, seed=draw_seed())
         now = time.monotonic()
         self.scheduler.add_request(
             Request(
@@ -141,7 +118,7 @@ class LLMEngine:
                 prompt_prefix=prompt_prefix,
             )
         )
-        self.sampler.add_request(request_id, params)
+        self._events.append(RequestEvent(request_id, Event.QUEUED, now))
 
     def _model_prefix(self, prefix: PromptPrefix, params: SamplingParams) -> PromptPrefix:
         """`prefix` in the model's dtype on its device (keeping its key); ValueError for another
@@ -167,9 +144,7 @@ class LLMEngine:
         plainly."""
         if drafter is self.drafter:
             return
-        if self.drafter is not None:
-            self.drafter.take_trees()
-        self.scheduler.update_draft_token_ids({r.request_id: () for r in self.scheduler.running})
+        self.scheduler.drop_draft_trees()
         self.drafter = drafter
 
     def close(self) -> None:
@@ -180,12 +155,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineOutput]:
-        """Run one step. Returns the requests that gained tokens or finished, including those the
-        scheduler finished without running (aborted, time limit, too long)."""
+    def step(self) -> EngineStepOutput:
+        """Run one step. Its outputs are the requests that gained tokens or finished, including
+        those the scheduler finished without running (aborted, time limit, too long)."""
         start = time.perf_counter()
-        sched = self.scheduler.schedule(time.monotonic())
+        num_hits = self.kv.num_prefix_hit_tokens
+        now = time.monotonic()
+        sched = self.scheduler.schedule(now)
+        events, self._events = self._events, []
+        events += [RequestEvent(r.request_id, Event.FINISHED, now) for r in sched.finished_requests]
+        events += [RequestEvent(i, Event.PREEMPTED, now) for i in sched.preempted_req_ids]
+        events += [RequestEvent(i, Event.SCHEDULED, now) for i in sched.admitted_req_ids]
         outputs = [EngineOutput(r.request_id, [], r.status) for r in sched.finished_requests]
+        num_prefill_tokens = count_prefill_tokens(sched)
         hidden_states: dict[str, torch.Tensor] = {}
         if sched.scheduled_requests:
             results = self._execute(sched, hidden_states)
@@ -193,26 +175,70 @@ class LLMEngine:
             updates = self.scheduler.update_from_output(
                 sched, results.token_ids, now, results.errors.keys()
             )
-            for out in updates:
-                outputs.append(self._engine_output(out, results))
+            scheduled = {r.request_id: r for r in sched.scheduled_requests}
+            for update in updates:
+                request_id, num_new = update.request_id, len(update.new_token_ids)
+                outputs.append(self._engine_output(update, results))
+                if num_new and scheduled[request_id].num_output_tokens == num_new:
+                    events.append(RequestEvent(request_id, Event.FIRST_TOKEN, now))
+                if update.finished:
+                    events.append(RequestEvent(request_id, Event.FINISHED, now))
         for out in outputs:
             if out.finished:
-                self.sampler.remove_request(out.request_id)
                 self.prompt_logprobs.pop(out.request_id)
+        trees: dict[str, DraftTree] = {}
         if self.drafter is not None:
             if sched.scheduled_requests:
-                num_trees = len(sched.scheduled_spec_token_ids)
+                num_trees = len(sched.scheduled_draft_trees)
                 seconds = time.perf_counter() - start
                 self.drafter.observe_step(sched.total_num_scheduled_tokens, seconds, num_trees)
-            self.scheduler.update_draft_token_ids(self._propose(hidden_states))
-        return outputs
+            trees = self._propose(hidden_states)
+            self.scheduler.update_draft_trees(trees)
+        stats = self._stats(sched, outputs, trees, num_prefill_tokens, num_hits)
+        return EngineStepOutput(outputs, stats, events)
 
-    def _propose(self, hidden_states: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-        """The drafter's proposals; none this step when drafting fails (the requests go on
-        without speculation)."""
+    def _stats(
+        self,
+        sched: SchedulerOutput,
+        outputs: list[EngineOutput],
+        trees: dict[str, DraftTree],
+        num_prefill_tokens: int,
+        num_prefix_hit_tokens: int,  # the KV manager's count before the step
+    ) -> StepStats:
+        running = self.scheduler.running
+        verified = [out for out in outputs if out.num_draft_tokens]
+        return StepStats(
+            num_scheduled_reqs=len(sched.scheduled_requests),
+            num_scheduled_tokens=sched.total_num_scheduled_tokens,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=sched.total_num_scheduled_tokens - num_prefill_tokens,
+            num_admitted_reqs=len(sched.admitted_req_ids),
+            num_preempted_reqs=len(sched.preempted_req_ids),
+            num_prefix_hit_tokens=self.kv.num_prefix_hit_tokens - num_prefix_hit_tokens,
+            num_generated_tokens=sum(len(out.new_token_ids) for out in outputs),
+            num_spec_reqs=len(verified),
+            num_draft_tokens=sum(out.num_draft_tokens for out in verified),
+            num_accepted_tokens=sum(out.num_accepted_tokens for out in verified),
+            num_proposed_reqs=len(trees),
+            num_proposed_tokens=sum(tree.num_drafts for tree in trees.values()),
+            num_running_reqs=len(running),
+            num_waiting_reqs=self.scheduler.num_waiting,
+            num_running_tokens=sum(r.num_tokens for r in running),
+            num_remaining_tokens=sum(
+                max(0, r.sampling_params.max_new_tokens - r.num_output_tokens) for r in running
+            ),
+            num_used_blocks=self.kv.num_used_blocks,
+            num_blocks=self.kv.num_blocks,
+        )
+
+    def _propose(self, hidden_states: dict[str, torch.Tensor]) -> dict[str, DraftTree]:
+        """The drafter's trees; none this step when drafting fails (the requests go on without
+        speculation)."""
         assert self.drafter is not None
+        s = self.scheduler
+        view = DraftingView(s.running, s.max_model_len, s.config.max_num_batched_tokens)
         try:
-            return self.drafter.propose(self.scheduler, hidden_states)
+            return self.drafter.propose(view, hidden_states)
         except (RuntimeError, ValueError) as e:
             logger.warning("drafting failed, this step decodes without drafts: %s", e)
             return {}
@@ -239,7 +265,7 @@ class LLMEngine:
         """Run the model, then choose each completing request's tokens: one from its last row,
         or a walk down its draft tree. Fills `hidden_states` with the state each request's last
         chosen token came from."""
-        batch = self._build_batch(sched, self.drafter.take_trees() if self.drafter else {})
+        batch = build_batch(sched, self.kv, self.prompt_logprobs)
         out = self.runner.execute(batch.inputs)
         results = _Results()
         for req, row, positions in batch.prompt_rows:
@@ -275,58 +301,7 @@ class LLMEngine:
         self.runner.copy_slots(*accepted_slot_moves(batch.verifying, self.kv))
         return results
 
-    def _build_batch(self, sched: SchedulerOutput, trees: dict[str, DraftTree]) -> _Batch:
-        """One `SequenceInput` per scheduled request: its root token and drafts (a tree to
-        verify), or a chunk of known tokens whose last row is sampled when it reaches the
-        request's last known token, plus the rows prompt logprobs need."""
-        batch = _Batch()
-        for req in sched.scheduled_requests:
-            n = sched.num_scheduled_tokens[req.request_id]
-            start = req.num_computed_tokens
-            block_table = self.kv.block_table(req.request_id)
-            drafts = sched.scheduled_spec_token_ids.get(req.request_id)
-            if drafts:
-                tree = trees[req.request_id].truncate(len(drafts))
-                v = Verification(req, tree, batch.num_rows, len(batch.choice_rows))
-                for node, path in enumerate(tree.path_token_ids()):
-                    batch.add_choice(batch.num_rows + node, req, path)
-                batch.verifying.append(v)
-                batch.num_rows += n
-                batch.inputs.append(
-                    SequenceInput(
-                        token_ids=[req.all_token_ids[start], *drafts],
-                        num_computed_tokens=start,
-                        block_table=block_table,
-                        positions=[start + d for d in tree.depths],
-                        tree_mask=tree.attention_mask(),
-                        logits_indices=list(range(n)),
-                    )
-                )
-                continue
-            indices = self.prompt_logprobs.logits_indices(req, start, n)
-            if indices:
-                positions = [start + j + 1 for j in indices]
-                batch.prompt_rows.append((req, batch.num_rows, positions))
-            if start + n >= req.num_tokens:
-                indices.append(n - 1)
-                row = batch.num_rows + len(indices) - 1
-                batch.sampling.append((req, batch.add_choice(row, req, [])))
-            batch.num_rows += len(indices)
-            prefix_embeds = None
-            if req.prompt_prefix is not None and start < req.num_prefix_tokens:
-                prefix_embeds = req.prompt_prefix.embeds[start : start + n]
-            batch.inputs.append(
-                SequenceInput(
-                    token_ids=list(req.all_token_ids[start : start + n]),
-                    num_computed_tokens=start,
-                    block_table=block_table,
-                    logits_indices=indices,
-                    prefix_embeds=prefix_embeds,
-                )
-            )
-        return batch
-
-    def _choose(self, out: ModelOutput, batch: _Batch) -> Choices:
+    def _choose(self, out: ModelOutput, batch: StepBatch) -> Choices:
         """One token (or an error) for each of the batch's choice rows, in one sampler call: one
         device-to-host copy for the whole step."""
         if not batch.choice_rows:
@@ -334,7 +309,7 @@ class LLMEngine:
         logits = out.logits[self.runner.rows_index(batch.choice_rows)]
         return self.sampler.sample(logits, batch.choice_requests, batch.choice_emitted)
 
-    def _observe(self, out: ModelOutput, batch: _Batch) -> None:
+    def _observe(self, out: ModelOutput, batch: StepBatch) -> None:
         """Show the observers the rows the step's tokens were chosen from: the sampled rows,
         then each tree's walked nodes."""
         if not self.observers:

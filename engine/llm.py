@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -110,30 +111,23 @@ class LLM:
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        typical_p: float = 1.0,
-        seed: int | None = None,
-        ignore_eos: bool = False,
+        params: SamplingParams | None = None,
         return_logits: bool = False,
         prompt_prefix: torch.Tensor | PromptPrefix | None = None,
+        **sampling: Any,
     ) -> list[GenerationOutput]:
         """Generate for every prompt through the engine's continuous batching: the prompts are
-        prefilled together and decode together. Greedy unless `temperature` > 0.
+        prefilled together and decode together, each with `params` (default: `SamplingParams()`,
+        greedy) where `max_new_tokens` and the `sampling` keywords, any of SamplingParams'
+        fields (`temperature=0.7, seed=7, stop_token_ids=(2,)`, ...), replace its values
+        (TypeError for a name that is not a field, ValueError for a value it rejects).
         `prompt_prefix` (prompt tuning: [virtual tokens, hidden] embeddings, as transformers'
         `inputs_embeds`) comes before every prompt."""
-        params = SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            typical_p=typical_p,
-            seed=seed,
-            ignore_eos=ignore_eos,
-        )
+        if max_new_tokens is not None:
+            sampling["max_new_tokens"] = max_new_tokens
+        params = replace(params or SamplingParams(), **sampling)
         if isinstance(prompt_prefix, torch.Tensor):
             prompt_prefix = PromptPrefix.of(prompt_prefix)
         encoded = [self._encode(p) for p in prompts]
@@ -149,7 +143,7 @@ class LLM:
             for request_id, prompt in zip(ids, encoded, strict=True):
                 self.engine.add_request(request_id, prompt, params, None, prompt_prefix)
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step().outputs:
                     tokens[out.request_id] += out.new_token_ids
                     if out.finish_reason is not None:
                         reasons[out.request_id] = out.finish_reason.value

@@ -1,8 +1,9 @@
 """Request state as the scheduler sees it: token ids, progress counters and a status.
 
 Vocabulary (vLLM v1): `num_computed_tokens` tokens have K/V in the cache; `num_tokens` are known
-(prompt + output); `num_tokens_with_spec` adds the draft tokens proposed for the next step. The
-scheduler's one rule is to make the first catch up with the last.
+(prompt + output); `num_tokens_with_spec` adds the draft tokens (the nodes of the draft tree)
+proposed for the next step. The scheduler's one rule is to make the first catch up with the
+last.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+    from engine.spec_decode.tree import DraftTree
 
 T = TypeVar("T")
 
@@ -144,8 +147,8 @@ class Request:
     are on the same clock as the `now` passed to the scheduler (time.monotonic() in the engine);
     `deadline` is arrival + time_limit, or None. `eos_token_ids` are the model's EOS ids, ignored
     when `sampling_params.ignore_eos`; `sampling_params.stop_token_ids` always stop.
-    `spec_token_ids` are the draft tokens to verify next step (set via
-    `Scheduler.update_draft_token_ids`); the scheduler owns every other mutable field.
+    `draft_tree` holds the draft tokens to verify next step and their tree shape (set via
+    `Scheduler.update_draft_trees`); the scheduler owns every other mutable field.
 
     With a `prompt_prefix` of P virtual tokens, the given `prompt_token_ids` are the real
     prompt: the stored `prompt_token_ids` (and so `all_token_ids`, `num_tokens`, positions)
@@ -161,7 +164,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
+    draft_tree: DraftTree | None = None
     num_preemptions: int = 0
     prompt_prefix: PromptPrefix | None = None
     _output_token_ids: list[int] = field(init=False, repr=False, default_factory=list)
@@ -211,7 +214,8 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self._all_token_ids) + len(self.spec_token_ids)
+        num_drafts = 0 if self.draft_tree is None else self.draft_tree.num_drafts
+        return len(self._all_token_ids) + num_drafts
 
     @property
     def is_finished(self) -> bool:

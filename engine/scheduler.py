@@ -11,7 +11,7 @@ step hands out tokens from a budget so that the first catches up with the second
 A long prompt becomes several chunks, a decode is 1 token and speculative verification 1 + k.
 Running requests are served before waiting ones, and each keeps at least one token per step,
 so a long prompt never stalls running streams. One step is always
-`schedule(now)` -> model -> `update_from_output(...)` [-> `update_draft_token_ids(...)`].
+`schedule(now)` -> model -> `update_from_output(...)` [-> `update_draft_trees(...)`].
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
+from engine.spec_decode.tree import DraftTree
 
 
 class SchedulerError(Exception):
@@ -34,16 +35,19 @@ class SchedulerOutput:
     """One step's work. The model computes, for each request in `scheduled_requests` (in order),
     the tokens at positions `[num_computed_tokens, num_computed_tokens + n)` with
     `n = num_scheduled_tokens[request_id]`: known tokens (`request.all_token_ids`) followed by
-    `scheduled_spec_token_ids[request_id]` (drafts, possibly fewer than proposed). K/V slots for
-    them exist in `kv.block_table(request_id)`."""
+    the nodes of `scheduled_draft_trees[request_id]` (the request's draft tree, possibly cut to
+    fewer nodes than proposed: `DraftTree.truncate`). K/V slots for them exist in
+    `kv.block_table(request_id)`."""
 
     scheduled_requests: list[Request]
     num_scheduled_tokens: dict[str, int]
-    scheduled_spec_token_ids: dict[str, list[int]]
+    scheduled_draft_trees: dict[str, DraftTree]
     total_num_scheduled_tokens: int
     preempted_req_ids: list[str]
     finished_requests: list[Request] = field(default_factory=list)
     """Finished by the scheduler since the last step (aborted, time limit, ignored); not run."""
+    admitted_req_ids: list[str] = field(default_factory=list)
+    """Moved from the waiting queue (new or preempted) into the running batch, in order."""
 
 
 @dataclass(frozen=True)
@@ -119,17 +123,22 @@ class Scheduler:
         if request_id in self.requests:
             self._abort_ids[request_id] = None
 
-    def update_draft_token_ids(self, draft_token_ids: Mapping[str, Sequence[int]]) -> None:
-        """Set the drafts each request proposes for the next step. Ignored for requests that are
-        gone or not exactly one token behind (mid-prefill, preempted)."""
-        for request_id, ids in draft_token_ids.items():
+    def update_draft_trees(self, draft_trees: Mapping[str, DraftTree]) -> None:
+        """Set the draft tree each request proposes for the next step. Ignored for requests that
+        are gone or not exactly one token behind (mid-prefill, preempted)."""
+        for request_id, tree in draft_trees.items():
             req = self.requests.get(request_id)
             if (
                 req is not None
                 and req.status == RequestStatus.RUNNING
                 and req.num_computed_tokens == req.num_tokens - 1
             ):
-                req.spec_token_ids = list(ids)
+                req.draft_tree = tree if tree.num_drafts else None
+
+    def drop_draft_trees(self) -> None:
+        """Forget the draft trees proposed for the next step (those requests decode plainly)."""
+        for req in self.running:
+            req.draft_tree = None
 
     def schedule(self, now: float) -> SchedulerOutput:
         """Drop aborted and expired (`deadline <= now`) requests, then give each running request
@@ -147,8 +156,9 @@ class Scheduler:
 
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        spec_ids: dict[str, list[int]] = {}
+        trees: dict[str, DraftTree] = {}
         preempted: list[str] = []
+        admitted: list[str] = []
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -158,7 +168,7 @@ class Scheduler:
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
                 victim = max(reversed(self.running), key=lambda r: r.arrival_time)
                 budget += num_scheduled.pop(victim.request_id, 0)
-                spec_ids.pop(victim.request_id, None)
+                trees.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -167,9 +177,9 @@ class Scheduler:
                 num_scheduled[req.request_id] = num_new
                 budget -= num_new
                 num_spec = req.num_computed_tokens + num_new - req.num_tokens
-                if num_spec > 0:
-                    spec_ids[req.request_id] = req.spec_token_ids[:num_spec]
-                req.spec_token_ids = []
+                if num_spec > 0 and req.draft_tree is not None:
+                    trees[req.request_id] = req.draft_tree.truncate(num_spec)
+                req.draft_tree = None
 
         while (
             not preempted
@@ -191,16 +201,18 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            admitted.append(req.request_id)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
 
         return SchedulerOutput(
             scheduled_requests=[r for r in self.running if r.request_id in num_scheduled],
             num_scheduled_tokens=num_scheduled,
-            scheduled_spec_token_ids=spec_ids,
+            scheduled_draft_trees=trees,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids=preempted,
             finished_requests=finished,
+            admitted_req_ids=admitted,
         )
 
     def update_from_output(
@@ -244,17 +256,18 @@ class Scheduler:
                 if sampled:
                     raise SchedulerError(f"{request_id!r}: tokens sampled mid-prefill")
                 continue
-            drafts = scheduler_output.scheduled_spec_token_ids.get(request_id, [])
-            if not 1 <= len(sampled) <= len(drafts) + 1:
+            tree = scheduler_output.scheduled_draft_trees.get(request_id)
+            num_drafts = 0 if tree is None else tree.num_drafts
+            if not 1 <= len(sampled) <= num_drafts + 1:
                 raise SchedulerError(
-                    f"{request_id!r}: {len(sampled)} sampled tokens for {len(drafts)} drafts"
+                    f"{request_id!r}: {len(sampled)} sampled tokens for {num_drafts} drafts"
                 )
             # The K/V slots of rejected drafts hold garbage: recompute from there next step.
-            req.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            req.num_computed_tokens -= num_drafts + 1 - len(sampled)
             self.kv.truncate(request_id, req.num_computed_tokens)
             new_token_ids = self._append_and_check_stop(req, sampled, now)
             outputs.append(
-                RequestOutput(request_id, new_token_ids, req.status, len(drafts), len(sampled) - 1)
+                RequestOutput(request_id, new_token_ids, req.status, num_drafts, len(sampled) - 1)
             )
         return outputs
 
@@ -324,7 +337,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.draft_tree = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -339,5 +352,5 @@ class Scheduler:
         del self.requests[req.request_id]
         self._abort_ids.pop(req.request_id, None)
         req.status = status
-        req.spec_token_ids = []
+        req.draft_tree = None
         return req

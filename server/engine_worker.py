@@ -1,5 +1,7 @@
 """The engine thread: `EngineWorker` steps an `LLMEngine` on a daemon thread and delivers each
-request's `EngineOutput`s (or the step's exception) to the request's sink.
+request's `EngineOutput`s (or the step's exception) to the request's sink. It reads only what a
+step returns (outputs, `StepStats`, `RequestEvent`s): the requests' timings and the metrics
+come from those.
 
 The event loop hands it new and aborted requests through a thread-safe queue; for the gRPC
 servicer a sink is `loop.call_soon_threadsafe(asyncio_queue.put_nowait, ...)`. Protobuf-free.
@@ -16,8 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core import EngineOutput, LLMEngine
-from engine.request import PromptPrefix, RequestStatus
+from engine.core import LLMEngine
+from engine.outputs import EngineOutput, RequestEvent, RequestEventType, StepStats
+from engine.request import PromptPrefix
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.policy import Method
 from server.errors import GenerationError
@@ -32,8 +35,8 @@ Sink = Callable[[EngineOutput | BaseException], None]
 class RequestTiming:
     """`time.monotonic()` instants of one request: `arrival` at the server, `started` when the
     engine first scheduled it and `first_token` when a step first gave it tokens (None until
-    then). The worker sets both before it delivers the outputs of that step, so a sink's
-    consumer sees them with the first tokens."""
+    then), as the step's events give them. The worker sets both before it delivers the outputs
+    of that step, so a sink's consumer sees them with the first tokens."""
 
     arrival: float
     started: float | None = None
@@ -68,8 +71,7 @@ class EngineWorker:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._live: dict[str, Submission] = {}  # added, not finished
         self._queued: dict[str, Submission] = {}  # added, never scheduled yet
-        self._prefix_hit_tokens = 0  # the KV manager's count when last exported
-        self._preemptions = 0  # the scheduler's count when last exported
+        self._stats = StepStats()  # of the last successful step: the queues the next one finds
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -145,96 +147,78 @@ class EngineWorker:
                 self._stopped = True
 
     def _step(self) -> None:
-        scheduler = self.engine.scheduler
-        method = "prefill" if scheduler.num_waiting else "next_token"
-        batch_size = min(
-            scheduler.num_running + scheduler.num_waiting, scheduler.config.max_num_seqs
-        )
-        num_running_before = scheduler.num_running
-        step_start = time.monotonic()
+        # The queues this step finds: the last step's, plus the requests added since (queued).
+        before = self._stats
+        method = "prefill" if self._queued or before.num_waiting_reqs else "next_token"
         start = time.perf_counter()
-        m = self.metrics
         try:
-            outputs = self.engine.step()
+            step = self.engine.step()
         except Exception as e:
-            logger.exception("engine step failed")
-            self.healthy = False
-            if m is not None:
-                m.batch_inference_failure.labels(method, "error").inc()
-            for request_id, s in self._live.items():
-                s.sink(GenerationError(str(e) or type(e).__name__))
-                self.engine.abort_request(request_id)
-            self._live.clear()
-            self._queued.clear()
+            self._fail(e, method)
             return
         forward_end = time.perf_counter()
-        step_end = time.monotonic()
         self.healthy = True
-        joined = self._mark_started(step_start, outputs)
-        methods: dict[str, Method] = {}
-        for out in outputs:
-            found = self._live.get(out.request_id)
-            if found is None:
-                continue
-            if out.new_token_ids and found.timing.first_token is None:
-                found.timing.first_token = step_end
-            if out.finished:
-                del self._live[out.request_id]
-            methods[out.request_id] = Method.of(found.params)
-            found.sink(out)
+        self._stats = step.stats
+        joined = self._apply_events(step.events)
+        methods = self._deliver(step.outputs)
+        m = self.metrics
         if m is None:
             return
         end = time.perf_counter()
-        m.batch_inference_count.labels(method).inc()
-        m.batch_inference_success.labels(method).inc()
         m.batch_inference_duration.labels(method, "single_only").observe(end - start)
         m.batch_inference_forward_duration.labels(method, "single_only").observe(
             forward_end - start
         )
         m.batch_inference_tokproc_duration.labels(method, "single_only").observe(end - forward_end)
-        m.batch_inference_batch_size.labels(method).observe(batch_size)
         for s in joined:
-            m.request_queue_duration.observe(step_start - s.timing.arrival)
-        if joined:
-            m.batch_next_tokens.observe(sum(len(s.prompt_token_ids) for s in joined))
-            if num_running_before:
-                m.batch_concatenation_count.inc()
-        running = scheduler.running
-        m.batch_current_size.set(len(running))
-        m.batch_input_tokens.set(sum(r.num_tokens for r in running))
-        m.batch_max_remaining_tokens.set(
-            sum(max(0, r.sampling_params.max_new_tokens - r.num_output_tokens) for r in running)
-        )
-        m.queue_size.set(scheduler.num_waiting)
-        m.request_preemptions.inc(scheduler.num_preemptions - self._preemptions)
-        self._preemptions = scheduler.num_preemptions
-        m.kv_cache_blocks_used.set(self.engine.kv.num_used_blocks)
-        hits = self.engine.kv.num_prefix_hit_tokens
-        m.prefix_cache_hit_tokens.inc(hits - self._prefix_hit_tokens)
-        self._prefix_hit_tokens = hits
-        for out in outputs:
-            if out.request_id in methods:
-                m.observe_speculation(
-                    out.draft_depth, out.num_accepted_tokens, methods[out.request_id]
-                )
-        if any(out.draft_depth for out in outputs):
+            assert s.timing.started is not None
+            m.request_queue_duration.observe(s.timing.started - s.timing.arrival)
+        lengths = [len(s.prompt_token_ids) for s in joined]
+        m.observe_step(method, step.stats, step.outputs, methods, lengths, before.num_running_reqs)
+        if any(out.draft_depth for out in step.outputs):
             m.spec_step_duration.observe(forward_end - start)
 
-    def _mark_started(self, step_start: float, outputs: Sequence[EngineOutput]) -> list[Submission]:
-        """Set `timing.started` of the queued requests the last step scheduled (still live and
-        no longer waiting, or gone with tokens); return them. Requests that left the queue
-        without running (aborted, expired) are dropped from it."""
-        if not self._queued:
-            return []
-        live = self.engine.scheduler.requests
-        produced = {out.request_id for out in outputs if out.new_token_ids}
+    def _fail(self, error: Exception, method: str) -> None:
+        """A failed step: every live request's sink gets a GenerationError and the engine
+        aborts it; the worker is unhealthy until a step succeeds."""
+        logger.exception("engine step failed")
+        self.healthy = False
+        if self.metrics is not None:
+            self.metrics.batch_inference_failure.labels(method, "error").inc()
+        for request_id, s in self._live.items():
+            s.sink(GenerationError(str(error) or type(error).__name__))
+            self.engine.abort_request(request_id)
+        self._live.clear()
+        self._queued.clear()
+
+    def _apply_events(self, events: Sequence[RequestEvent]) -> list[Submission]:
+        """Set the timings the events give (`started` at a queued request's first scheduling,
+        `first_token`); return the queued submissions the step scheduled. Those that finished
+        without running (aborted, expired, rejected) leave the queue."""
         joined = []
-        for request_id, s in list(self._queued.items()):
-            req = live.get(request_id)
-            if req is not None and req.status == RequestStatus.WAITING:
-                continue
-            del self._queued[request_id]
-            if req is not None or request_id in produced:
-                s.timing.started = step_start
-                joined.append(s)
+        for event in events:
+            if event.type == RequestEventType.SCHEDULED:
+                s = self._queued.pop(event.request_id, None)
+                if s is not None:
+                    s.timing.started = event.timestamp
+                    joined.append(s)
+            elif event.type == RequestEventType.FIRST_TOKEN:
+                found = self._live.get(event.request_id)
+                if found is not None and found.timing.first_token is None:
+                    found.timing.first_token = event.timestamp
+            elif event.type == RequestEventType.FINISHED:
+                self._queued.pop(event.request_id, None)
         return joined
+
+    def _deliver(self, outputs: Sequence[EngineOutput]) -> dict[str, str]:
+        """Hand each live request its output; returns their decoding methods by request id."""
+        methods: dict[str, str] = {}
+        for out in outputs:
+            found = self._live.get(out.request_id)
+            if found is None:
+                continue
+            if out.finished:
+                del self._live[out.request_id]
+            methods[out.request_id] = Method.of(found.params)
+            found.sink(out)
+        return methods

@@ -5,7 +5,7 @@ Three layers, each protobuf-free except the servicer:
 - `server.engine_worker.EngineWorker` owns the engine thread and delivers each request's
   `EngineOutput`s to a sink; here the sink puts them on the request's asyncio queue.
 - `server.output_tracker.OutputTracker` is TGIS's router logic for one input: UTF-8-safe
-  incremental detokenization, stop sequences on the decoded text (§4.5), the TGIS stop reason,
+  incremental detokenization, stop sequences on the decoded text, the TGIS stop reason,
   split into `OutputChunk`s.
 - `server.input_preparer.InputPreparer` tokenizes, validates and truncates each input and looks
   up its prompt prefix.

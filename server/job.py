@@ -7,7 +7,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
-from engine.core import EngineOutput
+from engine.outputs import EngineOutput
 from server.convert import OutputChunk
 from server.engine_worker import EngineWorker, RequestTiming
 from server.output_tracker import OutputTracker

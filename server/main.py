@@ -157,13 +157,13 @@ async def serve(config: ServerConfig) -> None:
     max_seq_len = resolved_max_sequence_length(config)
     tokenizer = load_tokenizer(model_path(config))
     engine = build_engine(engine_config(config, max_seq_len), tokenizer)
-    if engine.scheduler.max_model_len < max_seq_len:
+    if engine.max_model_len < max_seq_len:
         logger.warning(
             "max_sequence_length %d lowered to %d, the engine's limit for this model",
             max_seq_len,
-            engine.scheduler.max_model_len,
+            engine.max_model_len,
         )
-        max_seq_len = engine.scheduler.max_model_len
+        max_seq_len = engine.max_model_len
     max_new_tokens = config.effective_max_new_tokens(max_seq_len)
     if max_new_tokens < config.max_new_tokens:
         logger.warning(
@@ -186,7 +186,7 @@ async def serve(config: ServerConfig) -> None:
             config.device,
             backend.name,
         )
-    num_blocks = engine.kv.num_blocks
+    num_blocks = engine.num_kv_blocks
     metrics = ServerMetrics(max_seq_len, max_new_tokens, config.max_batch_size)
     metrics.kv_cache_blocks_total.set(num_blocks)
     metrics.kv_cache_blocks_used.set(0)

@@ -1,4 +1,5 @@
-"""Prometheus metrics with TGIS's `tgi_*` names (tgis-interface.md §5.2), on a private registry.
+"""Prometheus metrics with TGIS's `tgi_*` names, on a private registry; the engine's share is
+built from each step's `StepStats` and `EngineOutput`s (`observe_step`).
 
 Not reported, as their concept does not exist here (README.md, "TLS, health and metrics"):
 `tgi_queue_jump` (admission is strictly FCFS), `tgi_granular_batch_addition` and
@@ -12,7 +13,7 @@ Counters are exposed both as `name_total` (prometheus_client's convention) and a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,6 +25,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
+
+from engine.outputs import EngineOutput, StepStats
 
 _DURATION_BUCKETS = tuple(0.00015 * 1.5**k for k in range(35))
 
@@ -288,6 +291,40 @@ class ServerMetrics:
                 ]
             )
         )
+
+    def observe_step(
+        self,
+        method: str,
+        stats: StepStats,
+        outputs: Sequence[EngineOutput],
+        methods: Mapping[str, str],
+        joined_prompt_lengths: Sequence[int],
+        num_running_before: int,
+    ) -> None:
+        """Count one successful engine step of `method` ("prefill" or "next_token"): its batch
+        and the engine's state after it (`stats`), the speculation of each of its `outputs`
+        whose request's decoding method `methods` gives ("greedy" or "sample"), and the prompt
+        lengths of the requests that joined the batch (first scheduled), which were
+        concatenated to a running batch when `num_running_before` requests ran before it."""
+        self.batch_inference_count.labels(method).inc()
+        self.batch_inference_success.labels(method).inc()
+        self.batch_inference_batch_size.labels(method).observe(stats.num_scheduled_reqs)
+        if joined_prompt_lengths:
+            self.batch_next_tokens.observe(sum(joined_prompt_lengths))
+            if num_running_before:
+                self.batch_concatenation_count.inc()
+        self.batch_current_size.set(stats.num_running_reqs)
+        self.batch_input_tokens.set(stats.num_running_tokens)
+        self.batch_max_remaining_tokens.set(stats.num_remaining_tokens)
+        self.queue_size.set(stats.num_waiting_reqs)
+        self.request_preemptions.inc(stats.num_preempted_reqs)
+        self.kv_cache_blocks_used.set(stats.num_used_blocks)
+        self.prefix_cache_hit_tokens.inc(stats.num_prefix_hit_tokens)
+        for out in outputs:
+            if out.request_id in methods:
+                self.observe_speculation(
+                    out.draft_depth, out.num_accepted_tokens, methods[out.request_id]
+                )
 
     def observe_speculation(self, draft_depth: int, num_accepted: int, method: str) -> None:
         """Count one request's speculative step: a tree of longest path `draft_depth` of which

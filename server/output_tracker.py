@@ -1,5 +1,5 @@
 """TGIS's router logic for one input, protobuf-free: UTF-8-safe incremental detokenization
-(`IncrementalDetokenizer`) and `OutputTracker`: stop sequences on the decoded text (§4.5), the
+(`IncrementalDetokenizer`) and `OutputTracker`: stop sequences on the decoded text, the
 TGIS stop reason, and the split into `OutputChunk`s.
 """
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.core import EngineOutput
+from engine.outputs import EngineOutput
 from engine.request import FinishReason
 from engine.sampling.sampler import TokenLogprobs
 from server import convert
@@ -56,7 +56,7 @@ class IncrementalDetokenizer:
 
 
 class OutputTracker:
-    """TGIS's per-input output rules (§4.5, §6.4) over the engine's tokens.
+    """TGIS's per-input output rules (stop sequences, stop reasons) over the engine's tokens.
 
     `add` turns a `EngineOutput` into one `OutputChunk` per token; the last chunk is finished.
     A final EOS token is counted but not decoded. From `min_new_tokens` on, a stop sequence

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of requests (OTLP_ENDPOINT / OTLP_SERVICE_NAME, tgis-interface.md §3.1).
+"""OpenTelemetry traces of requests (TGIS's OTLP_ENDPOINT / OTLP_SERVICE_NAME settings).
 
 Each RPC gets a SERVER span named after its gRPC method (``fmaas.GenerationService/Generate``),
 child of the W3C trace context the client sent in its metadata (``traceparent``), if any. Each
@@ -37,8 +37,8 @@ Metadata = Sequence[tuple[str, str | bytes]]
 @dataclass(frozen=True)
 class SequenceRecord:
     """One completed sequence, protobuf-free. Instants are `time.monotonic()` values: `arrival`
-    of the RPC, `started` (first engine step), `first_token` and `end` (None when the engine
-    never got that far)."""
+    of the RPC, `started` and `first_token` (the engine's first SCHEDULED and FIRST_TOKEN
+    events of the request, None when it never got that far) and `end`."""
 
     index: int
     input_tokens: int

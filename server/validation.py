@@ -34,6 +34,7 @@ import struct
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from engine.sampling.params import draw_seed
 from server import messages as msg
 from server.pb import generation_pb2 as pb
 from server.proto_fields import check_known_fields
@@ -300,7 +301,7 @@ def validate_input(
         )
     out = replace(params, truncate_input_tokens=truncate)
     if not out.greedy and out.seed is None:
-        out = replace(out, seed=(rng or _system_random).getrandbits(32))
+        out = replace(out, seed=draw_seed(rng or _system_random, 32))
     if effective + out.max_new_tokens > max_len:
         out = replace(out, max_new_tokens=max_len - effective, max_is_token_limit=True)
     return ValidatedInput(input_length, prefix_length, out)

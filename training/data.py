@@ -355,7 +355,7 @@ class DataBuilder:
         engine.observers.append(recorder)
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                for out in engine.step().outputs:
                     tokens[out.request_id] += out.new_token_ids
                     if out.finish_reason is not None:
                         answer = Answer(

@@ -135,7 +135,7 @@ def evaluate_speculator(
         )
         engine.add_request(f"eval-{k}", ids, params)
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             stats.generated_tokens += len(out.new_token_ids)
             if not out.draft_depth:
                 stats.num_plain_steps += bool(out.new_token_ids)

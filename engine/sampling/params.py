@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 
@@ -55,3 +56,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def draw_seed(rng: random.Random | None = None, bits: int = 64) -> int:
+    """A random `bits`-bit seed for a sampling request that came without one, from `rng`
+    (default: Python's `random` module, so that `random.seed` repeats a run). The one function
+    that draws seeds: the server calls it when it validates an input (it reports the seed, 32
+    bits as TGIS does, before the engine sees the request), the engine for other callers'
+    requests (`LLMEngine.add_request`)."""
+    return random.getrandbits(bits) if rng is None else rng.getrandbits(bits)

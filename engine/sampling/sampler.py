@@ -5,7 +5,6 @@ log-softmax of those processed scores)."""
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -202,20 +201,8 @@ def details_of(token_id: int, flat: Sequence[float], top_n: int) -> TokenLogprob
 class Sampler:
     """Chooses one token per logits row for live requests: TGIS's rules (`logits_processor`),
     then argmax or a draw keyed by the request's seed and the token's position, so a seeded
-    request samples the same tokens in any batch, in a plain step or at a draft tree's node."""
-
-    def __init__(self) -> None:
-        self._seeds: dict[str, int] = {}
-
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
-        """A sampling request without a seed gets a random 64-bit one."""
-        if not params.greedy:
-            self._seeds[request_id] = (
-                params.seed if params.seed is not None else random.getrandbits(64)
-            )
-
-    def remove_request(self, request_id: str) -> None:
-        self._seeds.pop(request_id, None)
+    request samples the same tokens in any batch, in a plain step or at a draft tree's node.
+    A sampling request's seed is its params' (the engine gives one to requests without)."""
 
     def sample(
         self,
@@ -246,7 +233,7 @@ class Sampler:
         return sample_with_details(
             logits,
             params,
-            [self._seeds.get(r.request_id) for r in reqs],
+            [p.seed for p in params],
             [r.num_tokens + len(e) for r, e in zip(reqs, emitted, strict=True)],
             [
                 [*r.all_token_ids[r.num_prefix_tokens :], *e]

@@ -12,17 +12,32 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request
-from engine.scheduler import Scheduler
 from engine.spec_decode.policy import Method, SpeculationPolicy
 from engine.spec_decode.proposer import ProposalInput, Proposer
 from engine.spec_decode.tree import DraftTree
 
 
+@dataclass(frozen=True)
+class DraftingView:
+    """What drafting reads of the scheduler after a step: the running requests (in admission
+    order), the longest a request may grow (prompt + output) and the token budget of a step."""
+
+    running: Sequence[Request]
+    max_model_len: int
+    max_num_batched_tokens: int
+
+
 class Drafter:
+    """Proposes, after each step, the draft trees of the next: the proposer drafts them, the
+    policy (when given) decides how many candidates pay. Holds no trees: each one travels on its
+    request (`Request.draft_tree`) into the scheduler's output."""
+
     def __init__(
         self, proposer: Proposer, policy: SpeculationPolicy | None, max_batch_size: int
     ) -> None:
@@ -30,13 +45,7 @@ class Drafter:
         self.proposer = proposer
         self.policy = policy
         self.max_batch_size = max_batch_size
-        self._trees: dict[str, DraftTree] = {}  # proposed for the next step
         self._propose_seconds = 0.0  # drafting for the coming step, part of its cost
-
-    def take_trees(self) -> dict[str, DraftTree]:
-        """The trees proposed for the step about to run (the scheduler may truncate them)."""
-        trees, self._trees = self._trees, {}
-        return trees
 
     def observe_step(self, num_rows: int, seconds: float, num_trees: int) -> None:
         """A step of `num_rows` rows verifying `num_trees` trees took `seconds` (its drafting,
@@ -51,31 +60,31 @@ class Drafter:
 
     def propose(
         self,
-        scheduler: Scheduler,
+        view: DraftingView,
         hidden_states: dict[str, torch.Tensor],  # request id -> [hidden]
-    ) -> dict[str, tuple[int, ...]]:
-        """Draft trees for the next step; returns each drafting request's draft token ids (in
-        tree order) for `Scheduler.update_draft_token_ids`."""
+    ) -> dict[str, DraftTree]:
+        """The draft tree of each request that drafts for the next step (for
+        `Scheduler.update_draft_trees`)."""
         start = time.perf_counter()
-        self._trees = self._draft(scheduler, hidden_states)
+        trees = self._draft(view, hidden_states)
         self._propose_seconds = time.perf_counter() - start
-        return {request_id: tree.token_ids for request_id, tree in self._trees.items()}
+        return trees
 
     def _draft(
-        self, scheduler: Scheduler, hidden_states: dict[str, torch.Tensor]
+        self, view: DraftingView, hidden_states: dict[str, torch.Tensor]
     ) -> dict[str, DraftTree]:
-        if scheduler.num_running > self.max_batch_size:
+        if len(view.running) > self.max_batch_size:
             return {}
         ready: list[tuple[Request, torch.Tensor, int]] = []  # (request, hidden, max depth)
         num_plain_rows = 0  # the rows of the requests that do not draft
         num_heads = self.proposer.num_heads
-        for req in scheduler.running:
+        for req in view.running:
             hidden = hidden_states.get(req.request_id)
             num_tokens = req.num_tokens
             if hidden is not None and req.num_computed_tokens == num_tokens - 1:
                 remaining = min(
                     req.sampling_params.max_new_tokens - req.num_output_tokens,
-                    scheduler.max_model_len - num_tokens,
+                    view.max_model_len - num_tokens,
                 )
                 if remaining > 1:
                     ready.append((req, hidden, min(num_heads, remaining - 1)))
@@ -88,7 +97,7 @@ class Drafter:
         choice = dict.fromkeys(methods, full)
         refreshing: set[Method] = set()
         if self.policy is not None:
-            max_plain_rows = scheduler.config.max_num_batched_tokens - len(ready)
+            max_plain_rows = view.max_num_batched_tokens - len(ready)
             choice = self.policy.choose(min(num_plain_rows, max_plain_rows), Counter(methods))
             if not choice:
                 return {}

@@ -1,6 +1,6 @@
 """Loads an MLP speculator from SPECULATOR_PATH and checks it against the base model.
 
-Accepted forms (mlp-speculator.md §1.3, tgis-interface.md §3.3):
+Accepted forms (those IBM's fms-extras, fms-fsdp and TGIS write):
 - an HF folder: `config.json` with `model_type: mlp_speculator` and `model.safetensors`,
   `pytorch_model.bin` or a sharded index of either;
 - a torch checkpoint file holding the state dict, or a dict with it under `model_state` (fms-fsdp

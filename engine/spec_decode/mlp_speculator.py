@@ -1,5 +1,5 @@
 """IBM's MLP speculator ("accelerator"): `n_predict` recurrent MLP stages over the base model's
-final-norm hidden state, each drafting one more token (mlp-speculator.md §1).
+final-norm hidden state, each drafting one more token.
 
 Stage i maps a state `s_i` and a token `tok_i` to
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -12,7 +10,6 @@ import torch
 from torch import nn
 
 from engine.kernels.autotune import select_kernels
-from engine.kernels.matmul import ROWS_MAX
 from engine.kernels.rows import load_rows_gemm
 from engine.layers.linear import Linear
 from engine.spec_decode import mlp_speculator
@@ -101,25 +98,6 @@ def use_engine_linears(speculator: MLPSpeculator) -> None:
         select_kernels(linears, m_values=(1, 2, 4, 8, 16, 32))
 
 
-@contextmanager
-def single_threaded_glue(device: torch.device, enabled: bool = True) -> Iterator[None]:
-    """On a CPU (when `enabled`), torch's own ops run on the calling thread inside the block
-    (restored after): drafting's ops are too small to gain from the intra-op pool, and waking it
-    costs more than they do. The "rows" kernel keeps its own threads, so enable it only where
-    every matrix product is within `ROWS_MAX` rows (oneDNN, above, would lose its threads).
-    Results do not change: each of these ops computes every output element on one thread
-    either way."""
-    if device.type != "cpu" or not enabled:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 class MLPProposer:
     """Drafts the best candidates of an MLPSpeculator's top-k tree, merged into one tree: the
     `n_candidates` best paths, or with "nodes" selection the best nodes, as many as those
@@ -179,19 +157,14 @@ class MLPProposer:
         param = next(self.speculator.parameters())
         states = _stacked(inputs, param.dtype, param.device)
         last = torch.tensor([p.token_ids[-1] for p in inputs], device=param.device)
-        rows = len(inputs) * math.prod(self.top_k_tokens_per_head[:-1])  # the last head's input
-        aten_ops = mlp_speculator.fused_kernels(states) is None  # fused: no torch op for a pool
-        with single_threaded_glue(
-            param.device, aten_ops and rows <= ROWS_MAX and load_rows_gemm() is not None
-        ):
-            paths, _ = self.speculator.draft_candidates(
-                states,
-                last,
-                self.top_k_tokens_per_head,
-                self.n_candidates,
-                self.selection,
-                num_drafts=max_candidates,
-            )  # [B, N, n_predict] on the host
+        paths, _ = self.speculator.draft_candidates(
+            states,
+            last,
+            self.top_k_tokens_per_head,
+            self.n_candidates,
+            self.selection,
+            num_drafts=max_candidates,
+        )  # [B, N, n_predict] on the host
         return [
             DraftTree.from_paths([[t for t in path if t >= 0] for path in candidates], p.max_depth)
             for p, candidates in zip(inputs, paths.tolist(), strict=True)

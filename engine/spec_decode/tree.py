@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ class DraftTree:
         return paths
 
     def attention_mask(self) -> torch.Tensor:  # [n+1, n+1] bool: row j sees its ancestors + j
+        import torch  # here, so that the scheduler's modules import without torch
+
         n = self.num_drafts + 1
         rows = [[False] * n for _ in range(n)]  # built on the host: one tensor op, not n
         rows[0][0] = True

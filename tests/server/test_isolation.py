@@ -1,4 +1,4 @@
-"""No request can harm another (issue 16), against the real server as a hostile client would.
+"""No request can harm another, against the real server as a hostile client would.
 
 One server process serves the module (tiny random Llama): each bad request gets its documented
 status while innocent greedy requests started at the same moment finish with their solo outputs;

@@ -1,4 +1,4 @@
-"""`GET /metrics` of the real server against tgis-interface.md §5.2.
+"""`GET /metrics` of the real server against TGIS's metric table (IBM TGIS's router).
 
 Every metric of the reference's table must be exposed under its name and kind, and the values
 must follow the requests sent: counts and token sums against the requests' own parameters and
@@ -25,7 +25,7 @@ from training.prompts import CHAT_PROMPTS
 
 MODEL = "tiny-llama-gqa-tied"
 
-# tgis-interface.md §5.2: (name, kind) for every metric of the table but NOT_REPORTED.
+# TGIS's metric table: (name, kind) for every metric but NOT_REPORTED.
 REFERENCE_METRICS = [
     ("tgi_request_count", "counter"),
     ("tgi_request_input_count", "counter"),
@@ -68,7 +68,7 @@ NOT_REPORTED = [
     "tgi_prefill_weight_limit_exceeded",
     "tgi_prefill_padding_limit_exceeded",
 ]
-"""§5.2 metrics whose concept does not exist here (README.md lists them and why)."""
+"""TGIS metrics whose concept does not exist here (README.md lists them and why)."""
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ def generate(
         engine.add_request(str(i), prompt, SamplingParams(max_new_tokens=n))
         tokens[str(i)] = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id] += out.new_token_ids
     return tokens, recorder
 

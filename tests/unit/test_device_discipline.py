@@ -1,4 +1,4 @@
-"""Every tensor a step builds lives on the model's device (issue 17).
+"""Every tensor a step builds lives on the model's device.
 
 A second device stands in for CUDA: the model runs on `meta` under FakeTensorMode, whose device
 propagation fails any op that mixes a `meta` tensor with a CPU tensor of more than one element,
@@ -114,7 +114,7 @@ def test_greedy_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> N
         engine.add_request(str(i), list(range(10 + i, 30)), p)
     engine.step()  # the prompts
     reads = _count_reads(monkeypatch)
-    outputs = engine.step()
+    outputs = engine.step().outputs
     assert len(outputs) == 4 and all(len(o.new_token_ids) == 1 for o in outputs)
     assert reads == ["tolist"]
 
@@ -146,7 +146,7 @@ def test_verify_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> N
     plain = engine(None)
     outputs: dict[str, list[int]] = {request_id: [] for request_id in prompts}
     while plain.has_unfinished_requests():
-        for out in plain.step():
+        for out in plain.step().outputs:
             outputs[out.request_id] += out.new_token_ids
     sequences = [prompts[request_id] + tokens for request_id, tokens in outputs.items()]
     proposer = ScriptedProposer(sequences, accept_lengths=[2], num_heads=3, n_candidates=3)
@@ -154,7 +154,7 @@ def test_verify_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> N
     speculating.step()  # the prompts; every request drafts a tree
     speculating.add_request("new", list(range(40, 52)), SamplingParams(max_new_tokens=8))
     reads = _count_reads(monkeypatch)
-    step = {o.request_id: o for o in speculating.step()}
+    step = {o.request_id: o for o in speculating.step().outputs}
     assert reads == ["tolist"]
     assert len(step["new"].new_token_ids) == 1
     for request_id, tokens in outputs.items():

@@ -24,7 +24,7 @@ def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams)
         engine.add_request(str(i), p, params)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id] += out.new_token_ids
         engine.scheduler.check_integrity()
     assert engine.kv.num_used_blocks == 0

@@ -1,4 +1,4 @@
-"""No request can harm another, in the engine (issue 16): a request whose own logits or token
+"""No request can harm another, in the engine: a request whose own logits or token
 choice fail finishes with FinishReason.ERROR alone, its batch goes on with exactly the tokens
 transformers' greedy decoding gives, its blocks are freed and the engine keeps serving."""
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, SchedulerConfig
-from engine.core import EngineOutput, LLMEngine
+from engine.core import LLMEngine
 from engine.model_runner import ModelRunner
+from engine.outputs import EngineOutput
 from engine.paths import model_path
 from engine.request import FinishReason
 from engine.sampling.logits_processor import MAX_SCORE, process_eos, process_logits
@@ -35,7 +36,7 @@ def run(
     tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
     last: dict[str, EngineOutput] = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id] += out.new_token_ids
             last[out.request_id] = out
         engine.scheduler.check_integrity()

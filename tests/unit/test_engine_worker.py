@@ -1,10 +1,11 @@
-"""The engine thread under failure (issue 16): a request's own failure reaches its sink alone; a
+"""The engine thread under failure: a request's own failure reaches its sink alone; a
 failed forward pass fails the batch it ran, and the next requests are served as if nothing had
 happened (transformers' greedy tokens, every KV block returned)."""
 
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,14 @@ import pytest
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.core import EngineOutput, LLMEngine
+from engine.core import LLMEngine
+from engine.outputs import EngineOutput
 from engine.paths import model_path
 from engine.request import FinishReason
 from engine.sampling.params import SamplingParams
-from server.engine_worker import EngineWorker, Submission
+from server.engine_worker import EngineWorker, RequestTiming, Submission
 from server.errors import GenerationError
+from server.metrics import ServerMetrics
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy, require_model
 
 MODEL = "tiny-llama-gqa-tied"
@@ -117,3 +120,55 @@ def test_request_failure_leaves_its_batch_alone(path: Path, worker: EngineWorker
         compare_greedy(tokens, hf_greedy(path, tuple(prompt), MAX_NEW))
     assert worker.healthy
     assert worker.engine.kv.num_used_blocks == 0
+
+
+def test_metrics_and_timings_come_from_the_steps_reports(path: Path) -> None:
+    """A pool too small for the batch: the worker's metrics and the requests' timings follow
+    what the steps reported (preemptions, admissions, prompt tokens, the empty pool at the
+    end), the timings in order, and the tokens are still transformers' greedy ones."""
+    engine = build_engine(
+        EngineConfig(path, dtype="float32", block_size=16, num_kv_blocks=14, max_num_seqs=8)
+    )
+    metrics = ServerMetrics(2048, MAX_NEW, 8)
+    worker = EngineWorker(engine, metrics)
+    worker.start()
+    prompts = [list(p) for p in chat_prompt_ids(path)[:8]]
+    params = SamplingParams(max_new_tokens=24)
+    timings = {f"r{i}": RequestTiming(time.monotonic()) for i in range(len(prompts))}
+    inbox: queue.SimpleQueue[tuple[str, EngineOutput | BaseException]] = queue.SimpleQueue()
+    try:
+        worker.submit(
+            [
+                Submission(rid, p, params, None, lambda o, r=rid: inbox.put((r, o)), timings[rid])
+                for rid, p in zip(timings, prompts, strict=True)
+            ]
+        )
+        tokens: dict[str, list[int]] = {rid: [] for rid in timings}
+        done = 0
+        while done < len(prompts):
+            rid, item = inbox.get(timeout=120)
+            assert isinstance(item, EngineOutput), item
+            if item.new_token_ids:
+                assert timings[rid].first_token is not None  # set before the tokens arrive
+            tokens[rid] += item.new_token_ids
+            done += item.finished
+    finally:
+        worker.stop(timeout=10)
+
+    def value(name: str) -> float:
+        found = metrics.registry.get_sample_value(name)
+        assert found is not None, name
+        return found
+
+    num_preemptions = engine.scheduler.num_preemptions
+    assert num_preemptions > 0
+    assert value("tgi_request_preemptions_total") == num_preemptions
+    assert value("tgi_request_queue_duration_count") == len(prompts)
+    assert value("tgi_batch_next_tokens_sum") == sum(map(len, prompts))
+    assert value("tgi_kv_cache_blocks_used") == value("tgi_batch_current_size") == 0
+    assert value("tgi_queue_size") == value("tgi_batch_input_tokens") == 0
+    for rid, timing in timings.items():
+        assert timing.started is not None and timing.first_token is not None
+        assert timing.arrival <= timing.started < timing.first_token
+        prompt = prompts[int(rid[1:])]
+        compare_greedy(tokens[rid], hf_greedy(path, tuple(prompt), 24))

@@ -211,7 +211,7 @@ def sample(
                 engine.add_request(str(num_added), PROMPT, params)
                 tokens[str(num_added)] = []
                 num_added += 1
-            for out in engine.step():
+            for out in engine.step().outputs:
                 assert out.error is None, out.error
                 tokens[out.request_id] += out.new_token_ids
                 if out.draft_depth > 0:

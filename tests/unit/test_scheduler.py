@@ -14,9 +14,14 @@ from engine.kv_cache import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling.params import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
+from engine.spec_decode.tree import DraftTree
 
 VOCAB = 50
 EOS = 0
+
+
+def chain(*token_ids: int) -> DraftTree:
+    return DraftTree.chain(token_ids)
 
 
 def next_token(history: Sequence[int]) -> int:
@@ -82,7 +87,8 @@ class FakeModel:
         for req in out.scheduled_requests:
             rid, start = req.request_id, req.num_computed_tokens
             end = start + out.num_scheduled_tokens[rid]
-            drafts = out.scheduled_spec_token_ids.get(rid, [])
+            tree = out.scheduled_draft_trees.get(rid)
+            drafts = [] if tree is None else list(tree.token_ids)  # chains: tree order = path
             tokens = [*req.all_token_ids, *drafts][start:end]
             assert len(tokens) == end - start
             for slot, t in zip(self.kv.slot_mapping(rid, start, end), tokens, strict=True):
@@ -144,8 +150,8 @@ def test_request_status_and_views() -> None:
     assert not req.is_finished and req.status.finish_reason is None
     req.append_output_token_ids([5, 6])
     assert req.output_token_ids == [5, 6] and req.num_tokens == 5 and req.num_output_tokens == 2
-    req.spec_token_ids = [1, 2]
-    assert req.num_tokens_with_spec == 7
+    req.draft_tree = DraftTree.from_paths([[1, 2], [3]])
+    assert req.num_tokens_with_spec == 8  # 5 known tokens and 3 tree nodes
     assert all(s.is_finished for s in RequestStatus if s > RequestStatus.PREEMPTED)
     assert RequestStatus.FINISHED_ABORTED.finish_reason == FinishReason.CANCELLED
     assert RequestStatus.FINISHED_LENGTH.finish_reason == "MAX_TOKENS"
@@ -311,10 +317,13 @@ def test_max_model_len_trims_drafts() -> None:
     sched.add_request(a)
     out = sched.schedule(0.0)
     sched.update_from_output(out, {"0": [11]}, 0.0)
-    sched.update_draft_token_ids({"0": [12, 13, 14]})
+    sched.update_draft_trees({"0": chain(12, 13, 14)})
     out = sched.schedule(0.0)
     # 11 tokens are known; slots 10 (token 11), 11 and 12 fit in 13 positions.
-    assert out.num_scheduled_tokens["0"] == 3 and out.scheduled_spec_token_ids["0"] == [12, 13]
+    assert out.num_scheduled_tokens["0"] == 3 and out.scheduled_draft_trees["0"].token_ids == (
+        12,
+        13,
+    )
     (res,) = sched.update_from_output(out, {"0": [12, 15]}, 0.0)
     assert res.new_token_ids == [12, 15] and res.status == RequestStatus.FINISHED_LENGTH
     assert list(a.output_token_ids) == [11, 12, 15] and sched.kv.num_used_blocks == 0
@@ -325,7 +334,7 @@ def test_stop_inside_accepted_drafts_drops_the_rest() -> None:
     (a,) = create_requests(1)
     sched.add_request(a)
     sched.update_from_output(sched.schedule(0.0), {"0": [11]}, 0.0)
-    sched.update_draft_token_ids({"0": [12, EOS, 13]})
+    sched.update_draft_trees({"0": chain(12, EOS, 13)})
     out = sched.schedule(0.0)
     (res,) = sched.update_from_output(out, {"0": [12, EOS, 13, 14]}, 0.0)
     assert res.new_token_ids == [12, EOS] and res.status == RequestStatus.FINISHED_STOPPED
@@ -340,11 +349,11 @@ def test_spec_three_drafts_one_accepted_then_eos() -> None:
     sched.add_request(b)
     out = sched.schedule(0.0)
     sched.update_from_output(out, {"0": [20], "1": [30]}, 0.0)
-    sched.update_draft_token_ids({"0": [21, 22, 23], "1": [31, 32, 33]})
+    sched.update_draft_trees({"0": chain(21, 22, 23), "1": chain(31, 32, 33)})
     out = sched.schedule(0.0)
     assert out.num_scheduled_tokens == {"0": 4, "1": 4} and out.total_num_scheduled_tokens == 8
-    assert out.scheduled_spec_token_ids == {"0": [21, 22, 23], "1": [31, 32, 33]}
-    assert a.spec_token_ids == []
+    assert out.scheduled_draft_trees == {"0": chain(21, 22, 23), "1": chain(31, 32, 33)}
+    assert a.draft_tree is None
     ra, rb = sched.update_from_output(out, {"0": [21, EOS], "1": [31, 40]}, 0.0)
     assert ra.new_token_ids == [21, EOS] and ra.status == RequestStatus.FINISHED_STOPPED
     assert (ra.num_draft_tokens, ra.num_accepted_tokens) == (3, 1)
@@ -361,10 +370,12 @@ def test_drafts_never_starve_a_running_request() -> None:
     sched.add_request(a)
     sched.add_request(b)
     sched.update_from_output(sched.schedule(0.0), {"0": [11], "1": [12]}, 0.0)
-    sched.update_draft_token_ids({"0": [1, 2, 3, 4, 5]})
+    sched.update_draft_trees({"0": chain(1, 2, 3, 4, 5)})
     out = sched.schedule(0.0)
     assert out.num_scheduled_tokens == {"0": 3, "1": 1}  # one token kept back for b
-    assert out.scheduled_spec_token_ids == {"0": [1, 2]}
+    assert (
+        out.scheduled_draft_trees["0"].token_ids == (1, 2) and len(out.scheduled_draft_trees) == 1
+    )
 
 
 def test_rejected_drafts_roll_back_without_leak() -> None:
@@ -373,7 +384,7 @@ def test_rejected_drafts_roll_back_without_leak() -> None:
     sched.add_request(a)
     sched.update_from_output(sched.schedule(0.0), {"0": [1]}, 0.0)
     for i in range(20):
-        sched.update_draft_token_ids({"0": [2] * 9})  # reaches 2-3 blocks past the tokens
+        sched.update_draft_trees({"0": chain(*[2] * 9)})  # 2-3 blocks past the tokens
         out = sched.schedule(0.0)
         assert sched.kv.num_tokens("0") == a.num_tokens + 9
         sched.update_from_output(out, {"0": [2] * (i % 3) + [3]}, 0.0)
@@ -458,7 +469,7 @@ def test_randomized_soak(prefix_caching: bool) -> None:
                     ds.append(d)
                     history.append(d)
                 drafts[res.request_id] = ds
-        sched.update_draft_token_ids(drafts)
+        sched.update_draft_trees({rid: DraftTree.chain(ds) for rid, ds in drafts.items()})
         for req in [*out.finished_requests, *(live[r.request_id] for r in results if r.finished)]:
             done.append(live.pop(req.request_id))
         sched.check_integrity()

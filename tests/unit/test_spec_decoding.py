@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig, SchedulerConfig
-from engine.core import EngineOutput, LLMEngine
+from engine.core import LLMEngine
 from engine.model_runner import ModelRunner
+from engine.outputs import EngineOutput
 from engine.paths import model_path
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.drafter import Drafter
@@ -69,7 +70,7 @@ def run(
         result.token_ids[str(i)] = []
         result.outputs[str(i)] = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             result.token_ids[out.request_id] += out.new_token_ids
             result.outputs[out.request_id].append(out)
         engine.scheduler.check_integrity()
@@ -259,7 +260,7 @@ def test_drafter_detached_and_attached_between_steps() -> None:
     tokens: dict[str, list[int]] = {str(i): [] for i in range(3)}
     num_steps = num_spec_steps = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id] += out.new_token_ids
             num_spec_steps += out.draft_depth > 0
         num_steps += 1
@@ -311,7 +312,7 @@ def test_no_block_leak_over_500_requests_with_cancellations() -> None:
             if at == step:
                 engine.abort_request(request_id)
                 del expected[request_id]
-        for out in engine.step():
+        for out in engine.step().outputs:
             got[out.request_id] += out.new_token_ids
         engine.scheduler.check_integrity()
         step += 1

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.core import LLMEngine
 from engine.model_runner import ModelOutput, SequenceInput
 from engine.paths import model_path
 from engine.sampling.params import SamplingParams
-from engine.spec_decode.drafter import Drafter
+from engine.spec_decode.drafter import Drafter, DraftingView
 from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.policy import Method, SpeculationPolicy
 from engine.spec_decode.proposer import MLPProposer, ProposalInput, Proposer
@@ -330,14 +331,16 @@ def test_a_refresh_gives_the_full_tree_to_one_request(monkeypatch: pytest.Monkey
     )
     engine.drafter = Drafter(clock.drafting(double), policy, 16)
     candidates_per_step: list[list[int]] = []
-    take_trees = engine.drafter.take_trees
+    propose = engine.drafter.propose
 
-    def recorded() -> dict[str, DraftTree]:
-        trees = take_trees()
+    def recorded(
+        view: DraftingView, hidden_states: dict[str, torch.Tensor]
+    ) -> dict[str, DraftTree]:
+        trees = propose(view, hidden_states)
         candidates_per_step.append(sorted(len(t.leaves) for t in trees.values()))
         return trees
 
-    monkeypatch.setattr(engine.drafter, "take_trees", recorded)
+    monkeypatch.setattr(engine.drafter, "propose", recorded)
     result = run(engine, prompts, SamplingParams(max_new_tokens=32))
     for i, ref in enumerate(refs):
         compare_greedy(result.token_ids[str(i)], ref)

@@ -1,6 +1,7 @@
 """The MLP speculator's maths, candidate tree, draft trees and checkpoint loading.
 
-Oracles: the formulas of mlp-speculator.md §1.4-§1.5 written out per path in plain torch, the
+Oracles: the speculator's formulas (fms-extras' MLPSpeculator, see
+engine/spec_decode/mlp_speculator.py) written out per path in plain torch, the
 published constants, and the tensors the checkpoint generator wrote.
 """
 
@@ -42,7 +43,7 @@ def _reference_path_logprobs(
     path: list[int],
     vocab: list[int] | None = None,
 ) -> list[torch.Tensor]:
-    """Per-head log-softmax along one path, straight from the §1.4 recurrence with the
+    """Per-head log-softmax along one path, straight from the stage recurrence with the
     beta/alpha weighted sum (the Feb-2024 form), not the module's scaled form; over `vocab`
     only (-inf elsewhere) when given."""
     cfg = model.config
