@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core import EngineOutput, LLMEngine
+from engine.device import use_device
 from engine.request import PromptPrefix, RequestStatus
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.policy import Method
@@ -118,6 +119,7 @@ class EngineWorker:
         return isinstance(result[0], EngineOutput) and bool(result[0].new_token_ids)
 
     def _run(self) -> None:
+        use_device(self.engine.runner.device)
         while not self._stopped:
             self._drain_inbox(block=not self.engine.has_unfinished_requests())
             if self._stopped or not self.engine.has_unfinished_requests():
