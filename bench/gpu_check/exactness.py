@@ -1,8 +1,16 @@
 """Section `exactness`: greedy output of tiny random Llamas against transformers in float32
-and float16, CUDA graphs against eager steps, speculation on against off."""
+and float16, CUDA graphs against eager steps, speculation on against off.
+
+On a GPU every runner uses the Triton backend and its CUDA-graph step. On CPU one case (the
+first model in float32; three prompts, 8 new tokens, scripted drafts only) does the same, the
+kernel in Triton's interpreter and the graph step's static buffers run eagerly, and the others
+run on the CPU backend (without graphs). A case on the Triton backend counts the kernel
+launches and graph steps it made (`*.triton_launches`, `*.graph_steps`), which must not be 0.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +25,7 @@ from bench.gpu_check.models import (
     run_engine,
     write_tiny_llama,
 )
+from bench.gpu_check.reach import triton_and_graphs, triton_on_cpu
 from bench.gpu_check.report import (
     EOS_ID,
     FP16_NEAR_TIE,
@@ -46,10 +55,18 @@ def section_exactness(ctx: Ctx) -> None:
                 continue
             # In place: float32 first, then float16.
             hf = hf.to(device=ctx.device, dtype=getattr(torch, dtype_name))
-            case = Case(tag, folder, dtype_name, prompts, [], near_tie, max_new)
-            ctx.step(tag, functools.partial(check_plain, ctx, case, hf), min_left=5)
-            if case.llm is not None:
-                ctx.step(f"{tag}.spec", functools.partial(check_speculation, ctx, case), 5)
+            triton = ctx.cuda or (spec == TINY_MODELS[0] and dtype_name == "float32")
+            case = Case(tag, folder, dtype_name, prompts, [], near_tie, max_new, triton)
+            if triton and not ctx.cuda:  # the interpreter is slow: a shorter run
+                case.prompts, case.max_new = prompts[:3], 8
+            backend = triton_on_cpu(ctx.device) if triton else contextlib.nullcontext()
+            with backend, triton_and_graphs() as calls:
+                ctx.step(tag, functools.partial(check_plain, ctx, case, hf), min_left=5)
+                if case.llm is not None:
+                    ctx.step(f"{tag}.spec", functools.partial(check_speculation, ctx, case), 5)
+            if triton:
+                launches = calls["triton_launches"]
+                r.check(f"{tag}.triton_launches", launches, "launches", status(launches > 0))
             case.llm = None
             free_device_memory()
         del hf
@@ -67,22 +84,25 @@ class Case:
     refs: list[Reference]
     near_tie: float
     max_new: int
+    triton: bool  # on the Triton backend, with its graph step
     llm: Any = None
 
 
 def check_plain(ctx: Ctx, case: Case, hf: Any) -> None:
-    """`LLM.generate` (all prompts in one batch) against transformers, prompt by prompt."""
+    """`LLM.generate` (all prompts in one batch) against transformers, prompt by prompt; then
+    the same runner without its graphs: the graph run against the eager one."""
     from engine import LLM
 
     r = ctx.report
     case.refs = [hf_greedy(hf, p, case.max_new, ctx.device) for p in case.prompts]
     llm = LLM(
         case.folder, dtype=case.dtype_name, device=ctx.device, max_num_tokens=4096,
-        max_num_seqs=16,
+        max_num_seqs=16, cpu_kernels=not case.triton,
     )  # fmt: skip
     case.llm = llm
     r.detail(f"{case.tag}.attention_backend", llm.runner.backend.name)
-    outs = llm.generate(case.prompts, case.max_new)
+    with triton_and_graphs() as calls:
+        outs = llm.generate(case.prompts, case.max_new)
     verdicts = [
         judge(o.token_ids, ref, case.near_tie) for o, ref in zip(outs, case.refs, strict=True)
     ]
@@ -95,23 +115,25 @@ def check_plain(ctx: Ctx, case: Case, hf: Any) -> None:
     n = len(case.prompts)
     r.check(f"{case.tag}.identical", f"{same}/{n}", "prompts", status(not bad))
     r.check(f"{case.tag}.near_tie_flips", flips, "prompts", "INFO")
-    if llm.runner.graphs is None:
-        r.check(f"{case.tag}.graphs_vs_eager", "no_graphs", "-", "INFO")
+    graphs = llm.runner.graphs
+    if graphs is None:  # a failure where the Triton backend should have made them
+        r.check(f"{case.tag}.graphs_vs_eager", "no_graphs", "-", status(not case.triton))
         return
-    eager = LLM(
-        case.folder, dtype=case.dtype_name, device=ctx.device, max_num_tokens=4096,
-        max_num_seqs=16, cuda_graphs=False,
-    )  # fmt: skip
-    eager_outs = eager.generate(case.prompts, case.max_new)
-    del eager
-    equal = sum(a.token_ids == b.token_ids for a, b in zip(outs, eager_outs, strict=True))
-    eager_bad = [
-        i for i, (o, ref) in enumerate(zip(eager_outs, case.refs, strict=True))
-        if judge(o.token_ids, ref, case.near_tie)[0] == "bad"
-    ]  # fmt: skip
-    r.check(
-        f"{case.tag}.graphs_vs_eager", f"{equal}/{n}", "prompts", status(not bad and not eager_bad)
-    )
+    steps = calls["graph_steps"]
+    r.check(f"{case.tag}.graph_steps", steps, "steps", status(steps > 0))
+    llm.runner.graphs = None
+    try:
+        eager = llm.generate(case.prompts, case.max_new, return_logits=True)
+    finally:
+        llm.runner.graphs = graphs
+    pairs = [
+        judge(o.token_ids, Reference(e.token_ids, e.logits), case.near_tie)
+        for o, e in zip(outs, eager, strict=True)
+    ]
+    r.detail(f"{case.tag}.graphs_vs_eager", pairs)
+    equal = sum(v == "same" for v, _ in pairs)
+    ok = all(v != "bad" for v, _ in pairs)
+    r.check(f"{case.tag}.graphs_vs_eager", f"{equal}/{n}", "prompts", status(ok))
 
 
 def check_speculation(ctx: Ctx, case: Case) -> None:
@@ -149,6 +171,8 @@ def check_speculation(ctx: Ctx, case: Case) -> None:
             num_heads=4, n_candidates=3, vocab_size=runner.config.vocab_size,
         ),
     }  # fmt: skip
+    if case.triton and not ctx.cuda:  # in the interpreter: the drafts that are accepted only
+        del proposers["random_speculator"]
     n = len(case.prompts)
     for name, proposer in proposers.items():
         tag = f"{case.tag}.spec_{name}"
