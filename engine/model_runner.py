@@ -195,7 +195,10 @@ class ModelRunner:
             lambda: self.profile_memory(config.max_num_batched_tokens),
             on_cuda=self.memory is not None,
         )
-        return self.shard.min(num_blocks), source
+        smallest = self.shard.min(num_blocks)
+        if smallest < num_blocks:
+            source += f"; {num_blocks} here, fewer on another rank: every rank takes the smallest"
+        return smallest, source
 
     def profile_memory(self, num_tokens: int) -> DeviceMemory:
         """Run one worst-case step (one sequence of `num_tokens` new tokens, logits for every

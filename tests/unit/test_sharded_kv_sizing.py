@@ -98,6 +98,7 @@ def test_shards_sized_from_device_memory_start_and_match_one_shard() -> None:
 
     assert memory.calls == ["reset_peak", "peak_allocated", "totals"]  # rank 0 profiled once
     assert runner.kv_pool_source.startswith(f"memory fraction {config.memory_fraction:g} ")
+    assert runner.kv_pool_source.endswith("fewer on another rank: every rank takes the smallest")
     model = LlamaConfig.from_folder(path)
     kv_heads = ShardLayout.of(model, 0, NUM_SHARDS).num_kv_heads
     block_bytes = kv_block_bytes(model, runner.block_size, runner.dtype, kv_heads)
