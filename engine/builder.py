@@ -11,7 +11,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import LLMEngine
-from engine.kv_sizing import check_pool
+from engine.device import use_device
+from engine.kv_sizing import MemoryGauge, check_pool
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.llama import LlamaConfig
 from engine.parallel.runner import start_sharded_runner
@@ -35,21 +36,29 @@ def build_engine(
     config: EngineConfig,
     tokenizer: PreTrainedTokenizerBase | None = None,
     proposer: Proposer | None = None,
+    memory: MemoryGauge | None = None,
 ) -> LLMEngine:
-    """Load the model and assemble its engine. EOS ids are the model config's plus the
-    tokenizer's. A `proposer` (any drafter, e.g. a test double) takes the place of the
-    speculator `config.speculative` names; its tree shape and batch limit still apply.
+    """Load the model and assemble its engine, on `config.device` (made this thread's current
+    CUDA device, see `engine.device`; the thread that runs `step` makes `runner.device` its
+    own). EOS ids are the model config's plus the tokenizer's. A `proposer` (any drafter,
+    e.g. a test double) takes the place of the speculator `config.speculative` names; its
+    tree shape and batch limit still apply.
     The speculator is read (and checked against the model's config) before the model's
     weights load, so a bad speculator fails fast. Raises CheckpointError naming the
     speculator's path, or ValueError when the KV pool cannot hold one request of
-    `config.max_model_len` (capped at the model's sliding window, see `ModelRunner`)."""
+    `config.max_model_len` (capped at the model's sliding window, see `ModelRunner`).
+    `memory` replaces the device's own memory gauge in the KV sizing rule (`ModelRunner`)."""
+    use_device(config.device)
     spec = config.speculative or SpeculativeConfig()
     if proposer is None and spec.path is not None:
         model_config = LlamaConfig.from_folder(Path(config.model_path))
         dtype = resolve_dtype(config.dtype, model_config.torch_dtype, config.device)
         proposer = _load_proposer(spec.path, spec, model_config, dtype, torch.device(config.device))
     sharded = config.tensor_parallel_size > 1
-    runner = start_sharded_runner(config) if sharded else ModelRunner(config)
+    if sharded:
+        runner: ModelRunner = start_sharded_runner(config, memory)
+    else:
+        runner = ModelRunner(config, memory=memory)
     try:
         return _assemble(config, runner, tokenizer, proposer)
     except BaseException:

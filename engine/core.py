@@ -15,6 +15,7 @@ import torch
 
 from engine.batch import StepBatch, build_batch, count_prefill_tokens
 from engine.config import SchedulerConfig
+from engine.device import use_device
 from engine.hooks import TokenObserver
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelOutput, ModelRunner
@@ -88,6 +89,11 @@ class LLMEngine:
     def num_kv_blocks(self) -> int:
         """The KV pool's blocks (`StepStats.num_used_blocks` of them are held)."""
         return self.kv.num_blocks
+
+    def bind_thread(self) -> None:
+        """Make the engine's device the calling thread's current CUDA device (`engine.device`):
+        call it first on every thread that runs `step()`."""
+        use_device(self.runner.device)
 
     def add_request(
         self,

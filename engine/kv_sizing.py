@@ -7,7 +7,8 @@ one worst-case step has run:
     pool bytes = total * memory_fraction - (peak allocated during that step + non-torch memory)
 
 where the peak includes the weights and every activation of the step, and non-torch memory is
-what the CUDA context, cuBLAS workspaces and NCCL hold outside torch's allocator.
+what the CUDA context, cuBLAS workspaces and NCCL hold outside torch's allocator. The runner
+reads these figures from a `MemoryGauge` (`CudaMemory` for its device).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,6 +33,42 @@ class DeviceMemory:
     total: int  # the device's memory
     peak_allocated: int  # torch's peak during the profile step: weights + activations
     non_torch: int  # in use outside torch's allocator (CUDA context, library workspaces)
+
+
+class MemoryGauge(Protocol):
+    """Where the sizing rule reads one device's memory around the profile step."""
+
+    def reset_peak(self) -> None:
+        """Release the allocator's cached blocks and start a new peak (before the step)."""
+
+    def peak_allocated(self) -> int:
+        """Bytes torch's allocator held at most since `reset_peak`, once the device's queued
+        work has finished."""
+
+    def totals(self) -> tuple[int, int]:
+        """(the device's total bytes, bytes in use outside torch's allocator), after releasing
+        the allocator's cached blocks."""
+
+
+class CudaMemory:
+    """`MemoryGauge` of a CUDA device, from torch.cuda's allocator statistics and the driver."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def totals(self) -> tuple[int, int]:
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total, total - free - torch.cuda.memory_reserved(self.device)
 
 
 def kv_block_bytes(

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import GraphSequence, StepGraphs
 from engine.kernels.autotune import select_kernels
 from engine.kernels.cpu import load_cpu_kernels
-from engine.kv_sizing import DeviceMemory, kv_block_bytes, kv_pool_blocks
+from engine.kv_sizing import CudaMemory, DeviceMemory, MemoryGauge, kv_block_bytes, kv_pool_blocks
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import load_weights
 from engine.parallel.shard import Shard
@@ -72,7 +72,9 @@ class ModelRunner:
     `config.cpu_kernels` is false (or no C compiler is found); the results are the same within
     float32 rounding. The pool holds `config.num_kv_blocks` blocks, else enough for
     `config.kv_cache_tokens` tokens, else as many as `config.kv_cache_memory_mb` holds, else on
-    CUDA what `engine.kv_sizing` leaves after a profiled worst-case step (512 MiB on CPU).
+    CUDA what `engine.kv_sizing` leaves after a profiled worst-case step (512 MiB on CPU). A
+    `memory` gauge, when given, applies that device rule on any device with its figures
+    (default: `CudaMemory` on CUDA, none on CPU).
 
     With `config.cuda_graphs` and the Triton backend, steps of decode rows and draft trees run
     as `StepGraphs` (captured on CUDA; elsewhere, as in tests, the same static-buffer step runs
@@ -82,9 +84,12 @@ class ModelRunner:
     every KV block (`engine.parallel.shard`; the pool has as many blocks on every rank), runs
     on `cuda:<rank>` when `config.device` is CUDA, and without CUDA graphs; every rank must
     call `execute` with the same inputs together, and only rank 0's logits are the model's.
+    Every rank runs its profile step during construction, together with the others.
     """
 
-    def __init__(self, config: EngineConfig, shard: Shard | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, shard: Shard | None = None, memory: MemoryGauge | None = None
+    ) -> None:
         self.model_path = Path(config.model_path)
         self.config = LlamaConfig.from_folder(self.model_path)
         self.shard = shard = shard or Shard()
@@ -93,6 +98,9 @@ class ModelRunner:
         if shard.size > 1 and device.type == "cuda":
             device = torch.device("cuda", shard.rank)
         self.device = device
+        if memory is None and device.type == "cuda":
+            memory = CudaMemory(device)
+        self.memory = memory
         self.dtype = resolve_dtype(config.dtype, self.config.torch_dtype, config.device)
         fused = config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32
         kernels = load_cpu_kernels() if fused else None
@@ -192,20 +200,24 @@ class ModelRunner:
             self._block_bytes(),
             self.block_size,
             lambda: self.profile_memory(config.max_num_batched_tokens),
-            on_cuda=self.device.type == "cuda",
+            on_cuda=self.memory is not None,
         )
-        return self.shard.min(num_blocks), source
+        smallest = self.shard.min(num_blocks)
+        if smallest < num_blocks:
+            source += f"; {num_blocks} here, fewer on another rank: every rank takes the smallest"
+        return smallest, source
 
     def profile_memory(self, num_tokens: int) -> DeviceMemory:
-        """On CUDA, run one worst-case step (one sequence of `num_tokens` new tokens, logits for
-        every row, as many as a step of draft trees can have) on a scratch KV pool, and measure
-        the device's memory: the peak excludes the scratch pool."""
-        device = self.device
+        """Run one worst-case step (one sequence of `num_tokens` new tokens, logits for every
+        row, as many as a step of draft trees can have) on a scratch KV pool, and measure the
+        device's memory with the runner's gauge: the peak excludes the scratch pool. The step
+        is this rank's forward pass alone (never a group step's message): every rank of a
+        tensor-parallel group profiles at the same point of its construction, so their
+        collectives meet."""
+        assert self.memory is not None
         num_blocks = math.ceil(num_tokens / self.block_size)
         scratch_bytes = num_blocks * self._block_bytes()
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        self.memory.reset_peak()
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         step = SequenceInput(
             token_ids=[0] * num_tokens,
@@ -213,13 +225,10 @@ class ModelRunner:
             block_table=list(range(num_blocks)),
             logits_indices=list(range(num_tokens)),
         )
-        self.execute([step])
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
+        ModelRunner.execute(self, [step])
+        peak = self.memory.peak_allocated() - scratch_bytes
         self.kv_caches, self._kv_pool = [], torch.empty(0)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        non_torch = total - free - torch.cuda.memory_reserved(device)
+        total, non_torch = self.memory.totals()
         return DeviceMemory(total=total, peak_allocated=peak, non_torch=non_torch)
 
     def _to_device(self, *arrays: list[int]) -> list[torch.Tensor]:

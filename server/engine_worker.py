@@ -111,6 +111,7 @@ class EngineWorker:
         return isinstance(result[0], EngineOutput) and bool(result[0].new_token_ids)
 
     def _run(self) -> None:
+        self.engine.bind_thread()
         while not self._stopped:
             self._drain_inbox(block=not self.engine.has_unfinished_requests())
             if self._stopped or not self.engine.has_unfinished_requests():

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.kv_sizing import MemoryGauge
 from engine.model_runner import ModelOutput, ModelRunner, SequenceInput
 from engine.models.config import LlamaConfig
 from engine.parallel.channel import StepChannel
@@ -108,16 +109,23 @@ def _on_cpu(seq: SequenceInput) -> SequenceInput:
 
 
 class LeaderRunner(ModelRunner):
-    """Rank 0's runner: a `ModelRunner` over rank 0's share that drives the other ranks."""
+    """Rank 0's runner: a `ModelRunner` over rank 0's share that drives the other ranks.
+    Construction (loading, the profile step) runs on every rank alike, without messages; the
+    first message is the first `execute`'s."""
 
     def __init__(
-        self, config: EngineConfig, shard: Shard, channel: StepChannel, ranks: ShardProcesses
+        self,
+        config: EngineConfig,
+        shard: Shard,
+        channel: StepChannel,
+        ranks: ShardProcesses,
+        memory: MemoryGauge | None = None,
     ) -> None:
-        super().__init__(config, shard)
         self.channel = channel
         self.ranks = ranks
         self._slot_moves: list[tuple[list[int], list[int]]] = []
         self._closed = False
+        super().__init__(config, shard, memory)
 
     def _send(self, message: _Message) -> None:
         if self.ranks.failure is not None:
@@ -173,9 +181,17 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _follow(rank: int, size: int, config: EngineConfig, num_threads: int, parent: int) -> None:
-    """Rank `rank`'s process: load its share of the model and run every step rank 0 sends
-    until told to stop, then exit 0. Exits 1 (logged) on any error."""
+def _follow(
+    rank: int,
+    size: int,
+    config: EngineConfig,
+    num_threads: int,
+    parent: int,
+    memory: MemoryGauge | None,
+) -> None:
+    """Rank `rank`'s process: load its share of the model (sizing its KV pool with `memory`,
+    as `ModelRunner` does) and run every step rank 0 sends until told to stop, then exit 0.
+    Exits 1 (logged) on any error."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 handles Ctrl-C and stops the group
@@ -186,7 +202,7 @@ def _follow(rank: int, size: int, config: EngineConfig, num_threads: int, parent
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     try:
         shard, channel = _init_group(rank, size, config, num_threads)
-        runner = ModelRunner(config, shard)
+        runner = ModelRunner(config, shard, memory)
         while True:
             message: _Message = channel.receive()
             for src, dst in message.slot_moves:
@@ -207,10 +223,12 @@ def _follow(rank: int, size: int, config: EngineConfig, num_threads: int, parent
     os._exit(0)  # nothing left to clean up; interpreter teardown could wait on pool threads
 
 
-def start_sharded_runner(config: EngineConfig) -> LeaderRunner:
+def start_sharded_runner(config: EngineConfig, memory: MemoryGauge | None = None) -> LeaderRunner:
     """Start ranks 1..N-1 (N = `config.tensor_parallel_size`) and return rank 0's runner, in
-    this process. Each rank gets 1/N of torch's threads. ValueError, before any process starts,
-    when N cannot split the model or exceeds the visible CUDA devices."""
+    this process. Each rank gets 1/N of torch's threads. `memory` (picklable: every rank gets
+    a copy) replaces each rank's default gauge of its device (see `ModelRunner`). ValueError,
+    before any process starts, when N cannot split the model or exceeds the visible CUDA
+    devices."""
     size = config.tensor_parallel_size
     check_shardable(LlamaConfig.from_folder(Path(config.model_path)), size)
     if config.device.startswith("cuda"):
@@ -224,10 +242,10 @@ def start_sharded_runner(config: EngineConfig) -> LeaderRunner:
             logger.info("tensor parallelism: every step runs eagerly (no CUDA graphs)")
     config = replace(config, cuda_graphs=False)
     num_threads = max(1, torch.get_num_threads() // size)
-    ranks = ShardProcesses(size, _follow, (size, config, num_threads, os.getpid()))
+    ranks = ShardProcesses(size, _follow, (size, config, num_threads, os.getpid(), memory))
     try:
         shard, channel = _init_group(0, size, config, num_threads, ranks)
-        runner = LeaderRunner(config, shard, channel, ranks)
+        runner = LeaderRunner(config, shard, channel, ranks, memory)
     except BaseException:
         ranks.stop(0.0)
         if dist.is_initialized():

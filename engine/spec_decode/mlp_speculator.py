@@ -140,7 +140,10 @@ def fused_kernels(state: torch.Tensor) -> CpuKernels | None:
 
 
 def _rms_normalize(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+    """x / rms(x), computed in float32 (a half-precision square overflows above 256 and loses
+    digits in the mean) and cast back to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)).type_as(x)
 
 
 class MLPSpeculator(nn.Module):
@@ -252,7 +255,7 @@ class MLPSpeculator(nn.Module):
         norm = cast(SpeculatorNorm, self.ln[i])
         weight = cast(nn.Embedding, self.emb[i]).weight
         x = F.embedding(token_ids, weight).mul_(self.emb_scale).add_(projected)  # [G, c, d]
-        x.mul_(x.pow(2).mean(-1, keepdim=True).add_(NORM_EPS).rsqrt_())
+        x = _rms_normalize(x)
         return F.gelu(x.mul_(norm.weight).add_(norm.bias)).flatten(0, 1)
 
     def forward(

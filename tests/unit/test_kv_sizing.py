@@ -101,17 +101,22 @@ def test_too_little_memory_names_numbers_and_variables() -> None:
 def test_model_card_command_passes_start_up_checks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`docker run --gpus all -e MODEL_NAME=/models/llama-13b -e DTYPE_STR=float16 ...` on an
-    H200 (141 GB): the server's settings become an engine config whose dtype, block size and
-    pool hold 4096-token requests; the start-up lines are logged."""
+    """The model card's `docker run ... -e MODEL_NAME=... -e FLASH_ATTENTION=true
+    -e PAGED_ATTENTION=true -e DTYPE_STR=float16 IMAGE` (the image sets DEVICE=cuda) on an
+    H200 (141 GB): the switches are accepted, and the server's settings become an engine
+    config whose dtype, block size and pool hold 4096-token requests; the start-up lines are
+    logged."""
     folder = tmp_path / "llama-13b"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(LLAMA_2_13B))
+    env = {"MODEL_NAME": str(folder), "FLASH_ATTENTION": "true", "PAGED_ATTENTION": "true"}
     server = ServerConfig.from_env_and_args(
-        ["-c", "0.9"], {"MODEL_NAME": str(folder), "DTYPE_STR": "float16", "DEVICE": "cuda"}
+        ["-c", "0.9"], {**env, "DTYPE_STR": "float16", "DEVICE": "cuda"}
     )
+    assert server.flash_attention and server.paged_attention
     max_seq_len = resolved_max_sequence_length(server)
     config = engine_config(server, max_seq_len)
+    assert config.flash_attention  # flash-attn where usable, else the Triton kernel
     model = LlamaConfig.from_folder(folder)
     dtype = resolve_dtype(config.dtype, model.torch_dtype, config.device)
     block_bytes = kv_block_bytes(model, 16, dtype)
