@@ -1,4 +1,4 @@
-"""HTTP on PORT (tgis-interface.md §5): `GET /health` and `GET /metrics`, stdlib only.
+"""HTTP on PORT (docs/tgis-compatibility.md, "HTTP"): `GET /health` and `GET /metrics`, stdlib only.
 
 Served by a `ThreadingHTTPServer` on a daemon thread, so a slow health probe never blocks the
 gRPC event loop.

@@ -21,8 +21,9 @@ KNOWN_EXTENSION_FIELDS = {
         7: "grammar",
     },
 }
-"""Names of the fields vllm-tgis-adapter's generation.proto adds to TGIS's (tgis-interface.md
-§1.3), by message and field number: LoRA adapters and the `guided` oneof of guided decoding."""
+"""Names of the fields vllm-tgis-adapter's generation.proto adds to TGIS's
+(docs/tgis-compatibility.md, "Fields of newer clients"), by message and field number: LoRA
+adapters and the `guided` oneof of guided decoding."""
 
 
 def check_known_fields(message: Message, path: str = "") -> None:

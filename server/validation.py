@@ -1,9 +1,10 @@
-"""TGIS request parameter conversion and validation (reference: tgis-interface.md §6).
+"""TGIS request parameter conversion and validation (docs/tgis-compatibility.md: "Parameter
+conversion", "Validation").
 
 Pure functions: no gRPC server, no engine, no tokenizer. The servicer uses them in TGIS's order:
 
-1. `request_parameters` (or `convert_parameters` + `validate_parameters`): §6.1 defaults, then
-   the parameter checks of §6.2, before any tokenization;
+1. `request_parameters` (or `convert_parameters` + `validate_parameters`): TGIS's defaults, then
+   its parameter checks, before any tokenization;
 2. prefix lookup and tokenization (the caller's; format their failures with
    `prefix_lookup_error` / `tokenizer_error`);
 3. `validate_input` once per input: truncation, the length checks, TOKEN_LIMIT clamping and the
@@ -12,7 +13,7 @@ Pure functions: no gRPC server, no engine, no tokenizer. The servicer uses them 
 Every failure raises `ValidationError` whose message is TGIS's verbatim; the servicer returns it as
 INVALID_ARGUMENT. The result, `DecodingParams`, holds no protobuf types.
 
-Beyond TGIS, so that no request can harm another (issue 16):
+Beyond TGIS, so that no request can harm another (docs/deployment.md, "Request limits"):
 
 - non-finite floats (NaN, +-inf) are rejected with the message TGIS uses for the field (every
   TGIS comparison is false for NaN and lets it through), +inf temperature and -inf typical_p
@@ -153,7 +154,8 @@ class ValidatedInput:
 
 
 def convert_parameters(params: pb.Parameters | None) -> DecodingParams:
-    """§6.1: map request `params` (None if absent) to DecodingParams, without checking them.
+    """TGIS's parameter conversion: map request `params` (None if absent) to DecodingParams,
+    without checking them.
 
     GREEDY ignores `sampling` entirely. SAMPLE copies it, with 0 meaning disabled for top_p and
     typical_p (and a finite negative typical_p, which passes validation, also disabled), then
@@ -210,7 +212,7 @@ def convert_parameters(params: pb.Parameters | None) -> DecodingParams:
 
 
 def validate_parameters(params: DecodingParams, limits: Limits) -> None:
-    """§6.2 parameter checks, in TGIS's order; raises ValidationError on the first failure.
+    """TGIS's parameter checks, in its order; raises ValidationError on the first failure.
 
     Float comparisons are done as TGIS does them, in float32 (so 0.05 passes the temperature
     check). A top_k above the int32 range is what TGIS reports as not strictly positive. Every

@@ -5,7 +5,7 @@
     specserve-train-speculator eval --speculator DIR [--base MODEL_DIR] [--prompts FILE ...]
     python -m training.train ...      (the same)
 
-Recipe (after fms-fsdp, mlp-speculator.md §5.2): the base model is frozen; its final-norm
+Recipe (after fms-fsdp; docs/training.md, "Recipe"): the base model is frozen; its final-norm
 hidden states and tokens are the inputs; head i learns token t + 2 + i from state h_t and token
 t + 1 by teacher forcing (MLPSpeculator.forward); the loss is the sum over heads of each head's
 cross-entropy; AdamW (betas 0.9 / 0.95, weight decay 0.1 on matrices), parabolic warm-up then

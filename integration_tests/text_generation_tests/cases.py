@@ -1,4 +1,5 @@
-"""TGIS-style YAML test cases (tgis-interface.md §2.5), with expected outputs from an oracle.
+"""TGIS-style YAML test cases, with expected outputs from an oracle
+(docs/tgis-compatibility.md, "The client flow and the integration suite").
 
 A case file is a YAML list of cases::
 

@@ -1,7 +1,8 @@
 """Expected responses computed at test time with transformers, independently of the server.
 
 `GenerationOracle.expected` builds the `json_format.MessageToDict` form of the unary
-`GenerationResponse` TGIS returns for one greedy input (tgis-interface.md §4.4, §4.5, §6.4) from
+`GenerationResponse` TGIS returns for one greedy input (docs/tgis-compatibility.md: "Validation",
+"Stopping", "Output") from
 transformers' own `LlamaForCausalLM.generate` on the same checkpoint: token ids, processed scores
 (EOS masked before min_new_tokens, repetition and length penalties applied by transformers'
 processors), stop reasons, stop sequences on the decoded text, token details and truncation.
@@ -189,7 +190,8 @@ class GenerationOracle:
         return str(self.tokenizer.convert_ids_to_tokens(token_id))
 
     def _detail(self, token_id: int, scores: torch.Tensor, r: pb.ResponseOptions) -> dict[str, Any]:
-        """TokenInfo of one token given the processed scores of its step (§6.4)."""
+        """TokenInfo of one token given the processed scores of its step
+        (docs/tgis-compatibility.md, "Output")."""
         info: dict[str, Any] = {"text": self._piece(token_id)}
         logprobs = scores.log_softmax(-1)
         if r.token_logprobs:

@@ -1,10 +1,11 @@
-"""The TGIS-style integration suite: YAML cases against the real server (tgis-interface.md §2).
+"""The TGIS-style integration suite: YAML cases against the real server
+(docs/tgis-compatibility.md).
 
 Each case file is served by its own server subprocess (`python -m server.main`, TGIS's test
 limits: MAX_SEQUENCE_LENGTH 200, MAX_NEW_TOKENS 169, MAX_BATCH_SIZE 8). All cases of a file run
 at once (client.py); then each case is one test, checked against its exact expected response,
 its error, or the transformers oracle (oracle.py), and its GenerateStream twin against TGIS's
-stream rules (§2.5). The tiny random Llama serves the cases whose text does not matter;
+stream rules. The tiny random Llama serves the cases whose text does not matter;
 SmolLM2 those whose text does (EOS, stop sequences).
 """
 
@@ -138,7 +139,8 @@ def test_case(runs: Runs, suite: str, case: Case) -> None:
 
 
 def check_stream(outcome: Outcome, expected: dict[str, Any], case: Case) -> None:
-    """TGIS's GenerateStream rules against the expected unary response (§2.5, §6.4)."""
+    """TGIS's GenerateStream rules against the expected unary response
+    (docs/tgis-compatibility.md, "Output")."""
     assert outcome.code is None, f"stream failed: {outcome.code}: {outcome.details}"
     response = json_format.ParseDict(case.params, pb.Parameters()).response
     input_text = case.inputs[0].get("text", "") if response.input_text else ""

@@ -1,4 +1,4 @@
-"""Seeded fuzz of `Parameters` against the real server: no request can harm another (issue 16).
+"""Seeded fuzz of `Parameters` against the real server: no request can harm another.
 
 About 200 random Parameters (valid values, boundaries, extremes such as 0, 2**31-1, 2**32-1,
 2**64-1, 1e-38, 1e-30, 1e30, 3e38, and NaN/+-inf) go through Generate and GenerateStream from a

@@ -1,8 +1,8 @@
 """The real server started the way a TGIS user starts TGIS: every launcher flag of
-tgis-interface.md §3.1 on the command line (plausible values, the ignored ones logged as
-warnings), the model given as a Hub id at a revision and found in a local Hugging Face cache,
-mTLS, JSON log lines, and OTLP spans received by a collector in this test. The same server
-refuses requests carrying fields its proto does not define (vllm-tgis-adapter's adapter_id,
+docs/tgis-compatibility.md "Configuration" on the command line (plausible values, the ignored
+ones logged as warnings), the model given as a Hub id at a revision and found in a local Hugging
+Face cache, mTLS, JSON log lines, and OTLP spans received by a collector in this test. The same
+server refuses requests carrying fields its proto does not define (vllm-tgis-adapter's adapter_id,
 guided decoding) with INVALID_ARGUMENT, and counts failed prompt-prefix loads. A start with a
 missing model writes its error to the termination log.
 """

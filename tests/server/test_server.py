@@ -3,7 +3,7 @@
 One server process serves the module (tiny random Llama, 64 KV blocks of 16 tokens). Greedy
 output is checked against transformers; stream framing, batching invariance, validation
 errors, cancellation (KV blocks freed), Tokenize/ModelInfo, /health, /metrics and SIGTERM against
-TGIS's rules (tgis-interface.md §2.3-2.5, §5, §6).
+TGIS's rules (docs/tgis-compatibility.md).
 """
 
 from __future__ import annotations

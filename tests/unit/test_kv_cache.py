@@ -178,7 +178,8 @@ def test_free_queue_fifo_tail_first() -> None:
 
 
 def test_conformance_vectors() -> None:
-    """fms-extras §3.4 vectors, with our allocation order (ascending, not 99, 98, ...)."""
+    """fms-extras' paged-cache metadata vectors, with our allocation order (ascending, not 99,
+    98, ...)."""
     mgr = KVCacheManager(100, 16)
     for i, n in enumerate([5, 18, 40]):
         assert mgr.allocate_slots(i, n)

@@ -1,4 +1,4 @@
-"""KV pool sizing (issue 17): explicit sizes win; on CUDA the pool gets the memory fraction of
+"""KV pool sizing: explicit sizes win; on CUDA the pool gets the memory fraction of
 the device minus the profiled peak. Device memory is injected (figures of 80 GB and 141 GB
 devices); the model is Llama-2-13B's config, as `docker run` with the model card would load."""
 

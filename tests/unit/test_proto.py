@@ -1,4 +1,5 @@
-"""proto/generation.proto against TGIS's public API (tgis-interface.md §1.1, the oracle).
+"""proto/generation.proto against TGIS's public API (docs/tgis-compatibility.md, "The API": the
+oracle).
 
 The tables below are transcribed from the reference, not from the proto. Wire compatibility with
 stubs generated from TGIS's own proto needs exactly these names, numbers, types and labels.

@@ -1,4 +1,5 @@
-"""Server-side guards of issue 16 that need no server process: the preemption counter, the
+"""Server-side guards against one request harming another (docs/deployment.md, "Request
+limits") that need no server process: the preemption counter, the
 response-size bound, the rate-limited warning and the port checks (the real server runs them
 in tests/server/test_isolation.py)."""
 

@@ -1,4 +1,5 @@
-"""server.validation against tgis-interface.md §6.1 (conversion) and §6.2 (exact messages).
+"""server.validation against docs/tgis-compatibility.md, "Parameter conversion" and "Validation"
+(exact messages).
 
 Messages are asserted as literal strings copied from the reference, never via the module's
 constants. Requests are built the way TGIS's YAML tests build them: `json_format.ParseDict` on
@@ -94,7 +95,7 @@ def f32_below(x: float) -> float:
     return float(struct.unpack("<f", struct.pack("<I", bits - 1))[0])
 
 
-# §6.2, one test per message, in TGIS's check order.
+# TGIS's messages, one test per message, in TGIS's check order.
 
 
 def test_temperature() -> None:
@@ -203,7 +204,8 @@ def test_tokenizer_message() -> None:
     assert tokenizer_error("bad input").message == "tokenizer error bad input"
 
 
-# Beyond TGIS (issue 16): non-finite floats, top_n_tokens, quoted user text, input size.
+# Beyond TGIS (docs/deployment.md, "Request limits"): non-finite floats, top_n_tokens, quoted
+# user text, input size.
 
 NAN, INF, NEG_INF = "NaN", "Infinity", "-Infinity"  # json_format spells them as strings
 
@@ -241,7 +243,8 @@ def test_non_finite_floats_get_their_field_message(params: dict[str, Any], messa
 
 
 def test_non_finite_sampling_floats_are_ignored_in_greedy_mode() -> None:
-    # GREEDY ignores `sampling` entirely (§6.1), NaN included: nothing reaches the engine.
+    # GREEDY ignores `sampling` entirely (TGIS's conversion), NaN included: nothing reaches the
+    # engine.
     assert params_of({"sampling": {"temperature": NAN, "topP": NAN}}).greedy
 
 
@@ -331,7 +334,7 @@ def test_check_order() -> None:
     )
 
 
-# §6.1 conversion.
+# TGIS's conversion.
 
 
 def test_defaults_without_params() -> None:
@@ -523,7 +526,7 @@ def test_first_bad_input_fails_the_call(tokenizer: Any) -> None:
 
 
 def test_single_request_round_trip() -> None:
-    """sample_client's request (§2.3), serialized and parsed back."""
+    """sample_client's request (the client flow), serialized and parsed back."""
     body = {
         "model_id": "dummy-model-name",
         "request": {"text": "hello"},
