@@ -1,5 +1,5 @@
 """A setting declared once, as a `Setting` in its dataclass field's metadata, and everything
-made from that declaration: the env + flag parser, `--help` and the docs/configuration.md's configuration
+made from that declaration: the env + flag parser, `--help` and docs/configuration.md's
 table. A setting's range is declared with it, as the engine declares its fields' (`Bounds`,
 checked by `engine.config.check_bounds`).
 
