@@ -43,7 +43,7 @@ def available(layer: Linear) -> list[str]:
 
 def test_cpu_fp32_has_all_kernels() -> None:
     layer = Linear(8, 8, dtype=torch.float32, device="cpu")
-    assert set(available(layer)) == {"torch", "onednn", "openblas", "mlas", "rows"}
+    assert set(available(layer)) == {"torch", "onednn", "rows"}
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -272,27 +272,6 @@ def test_default_rows_kernel_packs_at_first_call_and_after_each_load() -> None:
         check(layer(x[:1]), oracle(x[:1], w.float().double(), b.float().double()))
     layer.load_rows(32, torch.zeros(64, 64))  # a partial load after a call
     assert not layer(x)[:, 32:].ne(layer.bias[32:]).any()
-
-
-def test_openblas_runs_single_threaded() -> None:
-    from engine.kernels import matmul as mod
-
-    layer = Linear(24, 40, dtype=torch.float32, device="cpu")
-    lib = mod._openblas_lib()
-    assert lib is not None
-    get = getattr(lib, "scipy_openblas_get_num_threads64_", None) or lib.openblas_get_num_threads
-    assert get() == 1
-    select_kernels([layer], m_values=(1,), target_s=1e-4, openblas_threads=2)
-    assert get() == 2
-    mod.set_openblas_threads(1)
-
-
-def test_mlas_one_session_for_all_shapes() -> None:
-    shared: dict = {}
-    a, b = make(64, 96, False)[0], make(96, 40, True)[0]
-    KERNELS["mlas"].build(a, shared)
-    KERNELS["mlas"].build(b, shared)
-    assert [key for key in shared if "mlas" in str(key)] == ["mlas"]
 
 
 def test_non_cpu_layout_is_plain() -> None:
