@@ -8,10 +8,10 @@ random weights, then
    kernel that bucket's kernel runs there);
 2. times every candidate kernel at every (shape, rows) the engine runs: 1 to 64 rows (decode and
    verify steps) and prefill chunks of 128, 512 and 2048 rows (the head only up to 64 rows: a
-   prefill chunk takes logits at its last token). Within a round the candidates are called in
-   turn, each for a run of calls over the shape's layers (so weights come from memory, as in a
-   step), so that a slow spell of the shared host hits all of them alike; a candidate's figure
-   is its median time per call over the rounds;
+   prefill chunk takes logits at its last token). Each round times every cell, and within a
+   cell the candidates in turn, each for a run of calls over the shape's layers (so weights come
+   from memory, as in a step), so that a slow spell of the shared host hits all candidates
+   alike; a candidate's figure is its median time per call over the rounds (`time_cells`);
 3. prints per (shape, rows) each candidate's median, the fastest and its margin over the next,
    then per candidate the cells where start-up picks it and the cells where it wins by 5% or
    more.
@@ -28,11 +28,9 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
-from bench.common import interleaved_rounds
 from engine.kernels.autotune import DEFAULT_M_VALUES, select_kernels
 from engine.kernels.matmul import KERNELS, ROWS_MAX, KernelFn, rows_large_kernel
 from engine.layers.linear import Linear
@@ -109,31 +107,48 @@ def startup_picks(model: list[Linear], m_values: list[int]) -> dict[tuple[int, i
     return picks
 
 
-def time_cell(layers: list[Linear], m: int, rounds: int, target_s: float) -> dict[str, float]:
-    """Candidate -> median ms per call at M rows over `layers`, candidates interleaved."""
-    k = layers[0].in_features
-    x = torch.randn(m, k)
-    fns: dict[str, list[KernelFn]] = {}
-    for name, spec in KERNELS.items():
-        if spec.supports(layers[0]) and served_by(name, m) == name:
-            fns[name] = [spec.build(layer, {}) for layer in layers]
-    calls: dict[str, int] = {}
-    for name, kernels in fns.items():  # calls per round: about target_s, at least one a layer
-        kernels[0](x)
-        t0 = time.perf_counter()
-        kernels[0](x)
-        one = time.perf_counter() - t0
-        calls[name] = max(1, min(len(kernels) * 4, round(target_s / max(one, 1e-6))))
+Cell = tuple[int, int, int]  # (in, out, M)
 
-    def run(kernels: list[KernelFn], n: int) -> Callable[[], None]:
-        def go() -> None:
-            for i in range(n):
-                kernels[i % len(kernels)](x)
 
-        return go
-
-    times = interleaved_rounds({name: run(fns[name], calls[name]) for name in fns}, rounds)
-    return {name: statistics.median(times[name]) / calls[name] * 1e3 for name in fns}
+def time_cells(
+    groups: dict[tuple[int, int], list[Linear]], cells: list[Cell], rounds: int, target_s: float
+) -> dict[Cell, dict[str, float]]:
+    """Cell -> candidate -> median ms per call over `rounds` rounds. Each round times every
+    cell, and within a cell every candidate in turn (the order rotating from round to round),
+    each for about `target_s` of calls over the shape's layers; a slow spell of the host thus
+    falls on one round of many cells, which the medians pass over."""
+    built: dict[tuple[int, int], dict[str, list[KernelFn]]] = {}
+    for shape, layers in groups.items():
+        specs = {name: s for name, s in KERNELS.items() if s.supports(layers[0])}
+        built[shape] = {name: [s.build(ly, {}) for ly in layers] for name, s in specs.items()}
+    inputs = {(k, n, m): torch.randn(m, k) for k, n, m in cells}
+    jobs: dict[Cell, dict[str, tuple[list[KernelFn], int]]] = {}
+    for k, n, m in cells:
+        x, jobs[(k, n, m)] = inputs[(k, n, m)], {}
+        for name, kernels in built[(k, n)].items():
+            if served_by(name, m) != name:
+                continue
+            kernels[0](x)  # warm-up (a lazy kernel packs here)
+            t0 = time.perf_counter()
+            kernels[0](x)
+            one = time.perf_counter() - t0
+            calls = max(1, min(len(kernels) * 4, round(target_s / max(one, 1e-6))))
+            jobs[(k, n, m)][name] = (kernels, calls)
+    times: dict[Cell, dict[str, list[float]]] = {
+        cell: {name: [] for name in job} for cell, job in jobs.items()
+    }
+    for r in range(rounds):
+        for cell, job in jobs.items():
+            x, names = inputs[cell], list(job)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                kernels, calls = job[name]
+                t0 = time.perf_counter()
+                for i in range(calls):
+                    kernels[i % len(kernels)](x)
+                times[cell][name].append((time.perf_counter() - t0) / calls * 1e3)
+    return {
+        cell: {name: statistics.median(t) for name, t in by.items()} for cell, by in times.items()
+    }
 
 
 def main() -> None:
@@ -160,10 +175,7 @@ def main() -> None:
         t0 = time.perf_counter()
         picks = startup_picks(model, sorted({m for _, _, m in cells}))
         startup_s = time.perf_counter() - t0
-        medians = {
-            (k, n, m): time_cell(groups[(k, n)], m, args.rounds, args.target_ms / 1e3)
-            for k, n, m in cells
-        }
+        medians = time_cells(groups, cells, args.rounds, args.target_ms / 1e3)
     ticks = [b - a for a, b in zip(ticks0, cpu_ticks(), strict=True)]
     other = (ticks[1] - ticks[2]) / max(ticks[0], 1)  # CPU share used by other processes
     names = [name for name in KERNELS if any(name in row for row in medians.values())]
