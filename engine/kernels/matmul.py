@@ -6,11 +6,11 @@ applied once for all layers (the "rows" kernel's thread count). ``supports(layer
 a kernel can serve a layer at all; `engine.kernels.autotune` decides which one does.
 
 Builders read the layer duck-typed (`MatmulLayer`), so this module does not import the layer.
-On CPU the weight is stored transposed, ``W^T`` as ``[in, out]`` contiguous; oneDNN and MKL read
-it as a transposed ``[out, in]`` view.
+On CPU the weight is stored transposed, ``W^T`` as ``[in, out]`` contiguous; ``F.linear`` (MKL)
+reads it as a transposed ``[out, in]`` view.
 
 The "rows" kernel (`engine/kernels/rows_gemm.c`: 1 to 16 rows a pass, up to `ROWS_MAX` rows;
-`rows_large_kernel` above) reads a copy of W^T packed into 16-column panels, made when the
+``F.linear`` above) reads a copy of W^T packed into 16-column panels, made when the
 kernel is built for a layer (at its first call for the default plan's, which is built before
 the weights load) and made again at the next call after the layer's ``weights_version``
 changes. For a gated layer whose halves are whole panels it packs (gate, up) pairs of panels
@@ -96,37 +96,18 @@ def torch_kernel(layer: MatmulLayer) -> KernelFn:
     return _build_torch(layer, {})
 
 
-def _build_onednn(layer: MatmulLayer, shared: dict[Any, Any]) -> KernelFn:
-    w, b = layer.weight_view(), layer.bias  # oneDNN reads the [out, in] strided view in place
-    op = torch.ops.mkldnn._linear_pointwise
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        return op(x, w, b, "none", [], "")
-
-    return run
-
-
 ROWS_MAX = 64
 """The most rows the "rows" kernel computes itself (in row groups of at most its `group_rows`,
-each later group reading a run of panels from cache); it hands larger products (prompts) to
-oneDNN, whose blocked kernels suit compute-bound shapes."""
-
-
-def rows_large_kernel() -> str:
-    """The kernel that the "rows" kernel runs above `ROWS_MAX` rows."""
-    return "onednn" if torch.backends.mkldnn.is_available() else "torch"
-
-
-def _large_builder() -> Callable[[MatmulLayer, dict[Any, Any]], KernelFn]:
-    return _build_onednn if rows_large_kernel() == "onednn" else _build_torch
+each later group reading a run of panels from cache); it hands larger products (prompt chunks)
+to the "torch" kernel, MKL's blocked GEMM, which suits compute-bound shapes."""
 
 
 def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> KernelFn:
     """The "rows" kernel on a packed copy of the layer's W^T: made now, or at the first call when
     ``lazy`` (so a kernel built before the weights load packs the loaded ones); made again at the
     next call whenever the layer's ``weights_version`` has changed since. Above `ROWS_MAX` rows
-    it runs oneDNN (``F.linear`` where oneDNN is unavailable) on the layer's W^T instead. It
-    writes its results to the layer's ``output`` buffer when the layer has one."""
+    it runs ``F.linear`` on the layer's W^T instead. It writes its results to the layer's
+    ``output`` buffer when the layer has one."""
     from engine.kernels.rows import load_rows_gemm
 
     lib = load_rows_gemm()
@@ -135,7 +116,7 @@ def _rows_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> K
     n, output = layer.out_features, layer.output  # output None: new tensors each call
     pairs = layer.gated and n % (2 * lib.PANEL) == 0
     product = lib.matmul_pairs if pairs else lib.matmul  # y [M, out] in W^T's column order
-    large = _large_builder()(layer, shared)
+    large = _build_torch(layer, shared)
     # [packed W^T [ceil(out/16), in, 16], padded bias [ceil(out/16) * 16] or None, weights_version]
     state: list[Any] = [None, None, -1]
     if "rows_threads" not in shared:  # process-wide setting, applied once per build batch
@@ -186,19 +167,9 @@ def _has_rows_gemm(layer: MatmulLayer) -> bool:
 KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
     {
         "torch": KernelSpec("torch", "F.linear (MKL on CPU)", lambda _: True, _build_torch),
-        "onednn": KernelSpec(
-            "onednn",
-            "torch.ops.mkldnn._linear_pointwise",
-            lambda ly: (
-                ly.transposed
-                and ly.dtype in (torch.float32, torch.bfloat16)
-                and torch.backends.mkldnn.is_available()
-            ),
-            _build_onednn,
-        ),
         "rows": KernelSpec(
             "rows",
-            "rows_gemm.c on packed W^T panels; rows_large_kernel() above ROWS_MAX rows",
+            "rows_gemm.c on packed W^T panels; F.linear above ROWS_MAX rows",
             _has_rows_gemm,
             _build_rows,
         ),
@@ -212,14 +183,12 @@ _Plan = tuple[tuple[int, str, Callable[[MatmulLayer, dict[Any, Any]], KernelFn]]
 def _cpu_default() -> _Plan:
     """CPU fp32 plan before selection, (largest M served, kernel; the last serves every larger
     M): the "rows" kernel streams each weight once for all rows of a decode or verify step;
-    `rows_large_kernel` serves prefill-sized M, and every M without rows_gemm.c (no C
-    compiler)."""
+    ``F.linear`` serves prefill-sized M, and every M without rows_gemm.c (no C compiler)."""
     from engine.kernels.rows import load_rows_gemm
 
-    large = (rows_large_kernel(), _large_builder())
     if load_rows_gemm() is None:
-        return ((1, *large),)
-    return ((ROWS_MAX, "rows", _build_rows_lazy), (ROWS_MAX + 1, *large))
+        return ((1, "torch", _build_torch),)
+    return ((ROWS_MAX, "rows", _build_rows_lazy), (ROWS_MAX + 1, "torch", _build_torch))
 
 
 def default_kernel(m: int) -> str:
@@ -231,9 +200,9 @@ def default_kernel(m: int) -> str:
 def default_plan(layer: MatmulLayer) -> dict[int, tuple[str, KernelFn]]:
     """The kernels a layer uses until selection, as ``{M bucket: (name, kernel)}`` (bucket = the
     largest M it serves, the largest bucket serving every M above too): CPU fp32 layers get the
-    "rows" kernel, packed at its first call, for M = 1 to 64 and `rows_large_kernel` above (for
-    every M where rows_gemm.c cannot be built); other dtypes and devices get ``F.linear`` for
-    every M."""
+    "rows" kernel, packed at its first call, for M = 1 to 64 and ``F.linear`` above (for every
+    M where rows_gemm.c cannot be built); other dtypes and devices get ``F.linear`` for every
+    M."""
     if _cpu_fp32(layer) and layer.storage.device.type == "cpu":
         shared: dict[Any, Any] = {}
         return {m: (name, build(layer, shared)) for m, name, build in _cpu_default()}

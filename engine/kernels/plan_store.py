@@ -116,6 +116,7 @@ def _write(name: str, content: dict[str, Any]) -> Path | None:
             fd, tmp = tempfile.mkstemp(suffix=".json", dir=folder)
             with os.fdopen(fd, "w") as f:
                 f.write(text)
+            os.chmod(tmp, 0o644)  # readable like the built kernels beside it
             os.replace(tmp, folder / name)
             return folder / name
         except OSError as e:

@@ -2,7 +2,7 @@
 
 On CPU the weight is stored transposed, ``W^T`` as ``[in, out]`` contiguous, the layout the "rows"
 kernel packs its panels from and a tied embedding gathers its rows from (columns of W^T, read in
-place); oneDNN and MKL read it as a transposed ``[out, in]`` view. On CUDA the weight is stored
+place); ``F.linear`` (MKL) reads it as a transposed ``[out, in]`` view. On CUDA the weight is stored
 ``[out, in]`` and ``forward`` is plain ``F.linear``.
 
 The layer holds one kernel per M bucket (`engine.kernels.matmul` builds them,
@@ -31,7 +31,7 @@ class Linear(torch.nn.Module):
     layout and the kernel are private.
 
     Until a plan is installed (``install``), CPU fp32 layers use the "rows" kernel for M = 1 to
-    64 and oneDNN above (`engine.kernels.matmul.default_plan`); other dtypes and devices use
+    64 and ``F.linear`` above (`engine.kernels.matmul.default_plan`); other dtypes and devices use
     ``F.linear``.
     Weights must be written through ``load_rows`` / ``load_bias`` (which bump
     ``weights_version``), or before the first ``forward``: kernels that hold a re-laid-out copy
