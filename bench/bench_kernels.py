@@ -188,31 +188,32 @@ def main() -> None:
     print(" (contended: rerun on an idle machine)" if other > 0.05 else "")
     print("median ms per call; * = start-up's pick; margin = next best / best - 1")
     print(f"{'shape':>12} {'M':>5} " + "".join(f"{n:>10}" for n in names) + "   best  margin")
-    wins: dict[str, list[str]] = {name: [] for name in names}
-    picked: dict[str, list[str]] = {name: [] for name in names}
+    wins: dict[str, dict[str, list[str]]] = {name: {} for name in names}
+    picked: dict[str, dict[str, list[str]]] = {name: {} for name in names}
     for (k, n, m), row in medians.items():
         ranked = sorted(row, key=row.__getitem__)
-        best = ranked[0]
-        margin = row[ranked[1]] / row[best] - 1 if len(ranked) > 1 else float("inf")
-        cell = f"{k}->{n} M={m}"
-        if margin >= WIN - 1:
-            wins[best].append(f"{cell} ({margin:+.0%})")
+        best, shape = ranked[0], f"{k}->{n}"
+        margin = row[ranked[1]] / row[best] - 1 if len(ranked) > 1 else None
+        if margin is not None and margin >= WIN - 1:
+            wins[best].setdefault(shape, []).append(f"{m} ({margin:+.0%})")
         pick = picks[(k, n, m)]
         others = [t for name, t in row.items() if name != pick]
-        pick_margin = min(others) / row[pick] - 1 if others and pick in row else float("nan")
-        picked.setdefault(pick, []).append(f"{cell} ({pick_margin:+.0%})")
-        text = "".join(
+        text = f"{m} ({min(others) / row[pick] - 1:+.0%})" if others and pick in row else f"{m}"
+        picked.setdefault(pick, {}).setdefault(shape, []).append(text)
+        cells_text = "".join(
             f"{row[name]:9.3f}{'*' if name == pick else ' '}" if name in row else f"{'-':>9} "
             for name in names
         )
-        print(f"{k:>5}->{n:<6} {m:>5} {text} {best:>6} {margin:+6.1%}")
-    print("\nper candidate: where start-up picks it (its margin over the next best), and where")
-    print(f"it is fastest by {WIN - 1:.0%} or more")
+        margin_text = "  only" if margin is None else f"{margin:+6.1%}"
+        print(f"{k:>5}->{n:<6} {m:>5} {cells_text} {best:>6} {margin_text}")
+    print("\nper candidate and shape: the rows where start-up picks it (its margin over the next")
+    print(f"best), and the rows where it is fastest by {WIN - 1:.0%} or more (its margin)")
     for name in picked:
-        print(f"{name}:")
-        print(f"  picked at {len(picked[name])}: {', '.join(picked[name]) or '-'}")
-        print(f"  wins by >= {WIN - 1:.0%} at {len(wins.get(name, []))}: ", end="")
-        print(", ".join(wins.get(name, [])) or "-")
+        for title, by_shape in (("picked", picked[name]), ("wins", wins.get(name, {}))):
+            print(
+                f"{name} {title}:",
+                "; ".join(f"{sh} M {', '.join(ms)}" for sh, ms in by_shape.items()) or "-",
+            )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     result = {
         "cpu": cpu_name(),
