@@ -1,39 +1,49 @@
-"""Linear-kernel benchmark for SmolLM2-135M's shapes: `python -m bench.bench_kernels`.
+"""Linear-kernel benchmark on the default model's shapes: `python -m bench.bench_kernels`.
 
-Builds the model's 121 fp32 linears (30 layers x {qkv, o, gate_up, down} + lm_head) with random
-weights so every timed call reads cold weights as in a real decode step, runs `select_kernels`
-with all kernels timed (no pruning), prints ms per call and GB/s per kernel, shape and M (the chosen
-kernel marked *), then
-  * a storage-layout check: OpenBLAS and oneDNN on W^T [in, out] (what Linear stores) against a
-    contiguous W [out, in];
-  * a decode-sequence check: all 121 layers in model order at M = 1, 4, 8, 16 with a small torch op
-    between calls, against the sum of the per-shape best times (the overhead of dispatch and of
-    switching thread pools).
-Writes everything to bench/results/kernels.json.
+Builds SmolLM2-135M's 121 float32 linears (30 layers x {qkv, o, gate_up, down} + lm_head) with
+random weights, then
+
+1. runs `select_kernels` as start-up does (`engine.kernels.plan_store` with `KERNEL_PLAN=retune`)
+   and records the kernel it installs per shape and row count (above its largest bucket, the
+   kernel that bucket's kernel runs there);
+2. times every candidate kernel at every (shape, rows) the engine runs: 1 to 64 rows (decode and
+   verify steps) and prefill chunks of 128, 512 and 2048 rows (the head only up to 64 rows: a
+   prefill chunk takes logits at its last token). Each round times every cell, and within a
+   cell the candidates in turn, each for a run of calls over the shape's layers (so weights come
+   from memory, as in a step), so that a slow spell of the shared host hits all candidates
+   alike; a candidate's figure is its median time per call over the rounds (`time_cells`);
+3. prints per (shape, rows) each candidate's median, the fastest and its margin over the next,
+   then per candidate the cells where start-up picks it and the cells where it wins by 5% or
+   more.
+
+Writes bench/results/kernels.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
-import math
 import os
 import platform
+import statistics
 import time
-from collections.abc import Callable
-from functools import partial
 
-import numpy as np
 import torch
 
-from bench.common import best_of
-from engine.kernels.autotune import select_kernels
+from engine.kernels.autotune import DEFAULT_M_VALUES, select_kernels
+from engine.kernels.matmul import KERNELS, ROWS_MAX, KernelFn
 from engine.layers.linear import Linear
 
 HIDDEN, LAYERS = 576, 30
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 LM_HEAD = (576, 49152)
-M_VALUES = (1, 2, 4, 8, 16, 32, 64, 256)
+DECODE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+PREFILL_ROWS = (128, 512, 2048)
+WIN = 1.05
+"""A candidate wins a cell when the next-best candidate's median is at least this multiple of
+its own."""
+NOTABLE_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "kernels.json")
 
 
@@ -46,6 +56,7 @@ def build_model(layers: int) -> list[Linear]:
     out.append(Linear(*LM_HEAD, dtype=torch.float32, device="cpu"))
     for layer in out:
         layer.storage.normal_(0.0, layer.in_features**-0.5)  # storage layout is irrelevant here
+        layer.weights_version += 1
     return out
 
 
@@ -55,6 +66,16 @@ def cpu_name() -> str:
             return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         return platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    """The `NOTABLE_FLAGS` this CPU has."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return [flag for flag in NOTABLE_FLAGS if flag in flags]
 
 
 def cpu_ticks() -> tuple[int, int, int]:
@@ -69,124 +90,148 @@ def cpu_ticks() -> tuple[int, int, int]:
         return 0, 0, 0
 
 
-def best_ms(fn: Callable[[], object], seconds: float = 0.1) -> float:
-    """Milliseconds of `fn`'s fastest call, after a warm-up call, over at least `seconds` and 3
-    calls."""
-    return best_of(fn, 3, seconds=seconds, warmup=True) * 1e3
+def served_by(name: str, m: int) -> str:
+    """The kernel that runs M rows when kernel `name` is installed for them."""
+    return "torch" if name == "rows" and m > ROWS_MAX else name
 
 
-def layout_check(ms: tuple[int, ...]) -> list[dict[str, object]]:
-    """OpenBLAS / oneDNN per-call ms on W^T [in, out] vs W [out, in] (one warm matrix each)."""
-    rows = []
-    op = torch.ops.mkldnn._linear_pointwise
-    for k, n in [*SHAPES.values(), LM_HEAD]:
-        w = torch.randn(n, k) * k**-0.5  # [out, in]
-        wt = w.t().contiguous()  # [in, out]
-        for m in ms:
-            x = torch.randn(m, k)
-            xn, out = x.numpy(), np.empty((m, n), np.float32)
-            row: dict[str, object] = {"shape": [k, n], "m": m}
-            for key, fn in {
-                "openblas_in_out": partial(np.matmul, xn, wt.numpy(), out=out),
-                "openblas_out_in": partial(np.matmul, xn, w.numpy().T, out=out),
-                "onednn_in_out": partial(op, x, wt.t(), None, "none", [], ""),
-                "onednn_out_in": partial(op, x, w, None, "none", [], ""),
-            }.items():
-                row[key] = best_ms(fn)
-            rows.append(row)
-    return rows
+def startup_picks(model: list[Linear], m_values: list[int]) -> dict[tuple[int, int, int], str]:
+    """(in, out, M) -> the kernel that start-up's selection runs there."""
+    table = select_kernels(model)
+    buckets = sorted(DEFAULT_M_VALUES)
+    picks = {}
+    for (k, n), plan in table.chosen.items():
+        for m in m_values:
+            bucket = next((b for b in buckets if b >= m), buckets[-1])
+            picks[(k, n, m)] = served_by(plan[bucket], m)
+    return picks
 
 
-def sequence_check(model: list[Linear], best: dict[tuple[int, int, int], float], m: int) -> dict:
-    """All layers in model order, as a decode step calls them: bare, and with a small torch op
-    (like a norm or an activation) before each call; against the sum of per-shape best times."""
-    xs = {k: torch.randn(m, k) for k in {ly.in_features for ly in model}}
-    ins = [xs[ly.in_features] for ly in model]
+Cell = tuple[int, int, int]  # (in, out, M)
 
-    def bare() -> None:
-        for layer, x in zip(model, ins, strict=True):
-            layer(x)
 
-    def with_ops() -> None:
-        for layer, x in zip(model, ins, strict=True):
-            layer(x * 1.0001)
-
-    total = sum(best[(ly.in_features, ly.out_features, m)] for ly in model)
-    bare_ms, ops_ms = best_ms(bare, seconds=1.0), best_ms(with_ops, seconds=1.0)
-    return {"m": m, "bare_ms": bare_ms, "with_ops_ms": ops_ms, "sum_of_best_ms": total}
+def time_cells(
+    groups: dict[tuple[int, int], list[Linear]], cells: list[Cell], rounds: int, target_s: float
+) -> dict[Cell, dict[str, float]]:
+    """Cell -> candidate -> median ms per call over `rounds` rounds. Each round times every
+    cell, and within a cell every candidate in turn (the order rotating from round to round),
+    each for about `target_s` of calls over the shape's layers; a slow spell of the host thus
+    falls on one round of many cells, which the medians pass over."""
+    built: dict[tuple[int, int], dict[str, list[KernelFn]]] = {}
+    for shape, layers in groups.items():
+        specs = {name: s for name, s in KERNELS.items() if s.supports(layers[0])}
+        built[shape] = {name: [s.build(ly, {}) for ly in layers] for name, s in specs.items()}
+    inputs = {(k, n, m): torch.randn(m, k) for k, n, m in cells}
+    jobs: dict[Cell, dict[str, tuple[list[KernelFn], int]]] = {}
+    for k, n, m in cells:
+        x, jobs[(k, n, m)] = inputs[(k, n, m)], {}
+        for name, kernels in built[(k, n)].items():
+            if served_by(name, m) != name:
+                continue
+            kernels[0](x)  # warm-up (a lazy kernel packs here)
+            t0 = time.perf_counter()
+            kernels[0](x)
+            one = time.perf_counter() - t0
+            calls = max(1, min(len(kernels) * 4, round(target_s / max(one, 1e-6))))
+            jobs[(k, n, m)][name] = (kernels, calls)
+    times: dict[Cell, dict[str, list[float]]] = {
+        cell: {name: [] for name in job} for cell, job in jobs.items()
+    }
+    for r in range(rounds):
+        for cell, job in jobs.items():
+            x, names = inputs[cell], list(job)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                kernels, calls = job[name]
+                t0 = time.perf_counter()
+                for i in range(calls):
+                    kernels[i % len(kernels)](x)
+                times[cell][name].append((time.perf_counter() - t0) / calls * 1e3)
+    return {
+        cell: {name: statistics.median(t) for name, t in by.items()} for cell, by in times.items()
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=LAYERS)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--target-ms", type=float, default=20.0, help="time per kernel per round")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--target-ms", type=float, default=4.0, help="time per candidate per round")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
 
     torch.manual_seed(0)
     model = build_model(args.layers)
+    groups: dict[tuple[int, int], list[Linear]] = {}
+    for layer in model:
+        groups.setdefault((layer.in_features, layer.out_features), []).append(layer)
+    cells = [
+        (k, n, m)
+        for (k, n) in groups
+        for m in (*DECODE_ROWS, *(PREFILL_ROWS if (k, n) != LM_HEAD else ()))
+    ]
+    started = datetime.datetime.now(datetime.UTC)
     ticks0 = cpu_ticks()
     with torch.inference_mode():
         t0 = time.perf_counter()
-        quick = select_kernels(model, M_VALUES[:-1])  # what a server does at start-up
-        quick_s = time.perf_counter() - t0
-        table = select_kernels(
-            model, M_VALUES, rounds=args.rounds, target_s=args.target_ms / 1e3, prune=1e9
-        )
-        print(f"threads={table.threads}  selection: default {quick_s:.2f}s, ", end="")
-        print(f"this table {table.seconds:.1f}s")
-        print("ms per call (GB/s of weights); * = chosen")
-        print(table.format())
-        layout = layout_check((1, 4, 16))
-        print("\nstorage layout, ms per call: W^T [in,out] (stored) vs W [out,in]")
-        for r in layout:
-            print(
-                f"{r['shape']} M={r['m']:<3} openblas {r['openblas_in_out']:.3f} vs "
-                f"{r['openblas_out_in']:.3f}   onednn {r['onednn_in_out']:.3f} vs "
-                f"{r['onednn_out_in']:.3f}"
-            )
-        best = {}
-        for t in table.timings:
-            if t.exact and table.chosen[t.shape][t.m] == t.kernel:
-                best[(*t.shape, t.m)] = t.ms
-        seq = [sequence_check(model, best, m) for m in (1, 4, 8, 16)]
-        print("\ndecode sequence (all layers in model order, chosen kernels), ms per pass")
-        for s in seq:
-            print(
-                f"M={s['m']:<3} bare {s['bare_ms']:.2f}  with a torch op per call "
-                f"{s['with_ops_ms']:.2f}  sum of per-shape best {s['sum_of_best_ms']:.2f}"
-            )
-
+        picks = startup_picks(model, sorted({m for _, _, m in cells}))
+        startup_s = time.perf_counter() - t0
+        medians = time_cells(groups, cells, args.rounds, args.target_ms / 1e3)
     ticks = [b - a for a, b in zip(ticks0, cpu_ticks(), strict=True)]
     other = (ticks[1] - ticks[2]) / max(ticks[0], 1)  # CPU share used by other processes
+    names = [name for name in KERNELS if any(name in row for row in medians.values())]
+    print(
+        f"{cpu_name()} ({', '.join(cpu_flags())}); {torch.get_num_threads()} torch threads, "
+        f"{os.cpu_count()} CPUs; torch {torch.__version__}; {started:%Y-%m-%d %H:%M} UTC"
+    )
+    print(f"start-up selection {startup_s:.1f} s; {args.rounds} interleaved rounds per cell")
     print(f"other processes used {other:.0%} of the CPUs during the run", end="")
-    print(" (timings are contended: rerun on an idle machine)" if other > 0.05 else "")
+    print(" (contended: rerun on an idle machine)" if other > 0.05 else "")
+    print("median ms per call; * = start-up's pick; margin = next best / best - 1")
+    print(f"{'shape':>12} {'M':>5} " + "".join(f"{n:>10}" for n in names) + "   best  margin")
+    wins: dict[str, dict[str, list[str]]] = {name: {} for name in names}
+    picked: dict[str, dict[str, list[str]]] = {name: {} for name in names}
+    for (k, n, m), row in medians.items():
+        ranked = sorted(row, key=row.__getitem__)
+        best, shape = ranked[0], f"{k}->{n}"
+        margin = row[ranked[1]] / row[best] - 1 if len(ranked) > 1 else None
+        if margin is not None and margin >= WIN - 1:
+            wins[best].setdefault(shape, []).append(f"{m} ({margin:+.0%})")
+        pick = picks[(k, n, m)]
+        others = [t for name, t in row.items() if name != pick]
+        text = f"{m} ({min(others) / row[pick] - 1:+.0%})" if others and pick in row else f"{m}"
+        picked.setdefault(pick, {}).setdefault(shape, []).append(text)
+        cells_text = "".join(
+            f"{row[name]:9.3f}{'*' if name == pick else ' '}" if name in row else f"{'-':>9} "
+            for name in names
+        )
+        margin_text = "  only" if margin is None else f"{margin:+6.1%}"
+        print(f"{k:>5}->{n:<6} {m:>5} {cells_text} {best:>6} {margin_text}")
+    print("\nper candidate and shape: the rows where start-up picks it (its margin over the next")
+    print(f"best), and the rows where it is fastest by {WIN - 1:.0%} or more (its margin)")
+    for name in picked:
+        for title, by_shape in (("picked", picked[name]), ("wins", wins.get(name, {}))):
+            print(
+                f"{name} {title}:",
+                "; ".join(f"{sh} M {', '.join(ms)}" for sh, ms in by_shape.items()) or "-",
+            )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     result = {
-        "machine": {
-            "cpu": cpu_name(),
-            "cores": os.cpu_count(),
-            "torch_threads": table.threads,
-            "torch": torch.__version__,
-            "numpy": np.__version__,
-        },
+        "cpu": cpu_name(),
+        "flags": cpu_flags(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": started.isoformat(),
+        "rounds": args.rounds,
+        "startup_selection_s": startup_s,
         "other_processes_cpu_share": other,
-        "default_selection_s": quick_s,
-        "default_selection": {f"{k}x{n}": c for (k, n), c in quick.chosen.items()},
-        "chosen": {f"{k}x{n}": c for (k, n), c in table.chosen.items()},
-        "timings": [
-            {
-                k: (v if not isinstance(v, float) or math.isfinite(v) else None)
-                for k, v in vars(t).items()
-            }
-            for t in table.timings
+        "cells": [
+            {"shape": [k, n], "m": m, "median_ms": row, "startup_pick": picks[(k, n, m)]}
+            for (k, n, m), row in medians.items()
         ],
-        "layout": layout,
-        "sequence": seq,
     }
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+        json.dump(result, f, indent=1)
     print(f"\nwrote {args.out}")
 
 

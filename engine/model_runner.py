@@ -13,8 +13,8 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache, select_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphSequence, StepGraphs
-from engine.kernels.autotune import select_kernels
 from engine.kernels.cpu import load_cpu_kernels
+from engine.kernels.plan_store import choose_kernels
 from engine.kv_sizing import CudaMemory, DeviceMemory, MemoryGauge, kv_block_bytes, kv_pool_blocks
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import load_weights
@@ -112,7 +112,7 @@ class ModelRunner:
         load_weights(self.model, self.model_path)
         self.model.eval()
         if self.device.type == "cpu":
-            self.kernel_table = select_kernels(self.model.linears())
+            self.kernel_table = choose_kernels(self.model.linears())
             logger.info(
                 "linear kernels by [in, out] and rows: %s",
                 ", ".join(

@@ -5,9 +5,13 @@ tree masks.
 Decode steps (one new token per sequence, no tree) take a shorter path: keys are gathered a
 block at a time and no mask is built unless the sequences' lengths differ.
 
-Small attention work runs on the calling thread only (`torch.set_num_threads(1)` around it): it
-costs less than waking the OpenMP workers, and on a loaded host each parallel region (SDPA always
-opens one) would wait for a busy core.
+Small attention work (`SINGLE_THREAD_WORK`) runs on the calling thread only
+(`torch.set_num_threads(1)` around it, restored after): it costs less than waking the OpenMP
+workers, and where the host's cores are busy with other work each parallel region (SDPA always
+opens one) waits for a busy core; decode steps on this path measured several times faster with
+it on a shared 2-core host (docs/kernels.md, "Thread pools"). It is set per call, not once for
+the process: the same process's prompt chunks, and the matrix products that run on torch's
+pool, need all its threads.
 """
 
 from __future__ import annotations

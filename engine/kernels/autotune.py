@@ -1,4 +1,4 @@
-"""Kernel selection for `Linear` layers by measurement.
+"""Kernel selection for linear layers (`engine.layers.linear.Linear`) by measurement.
 
 ``select_kernels`` times every candidate kernel of `engine.kernels.matmul.KERNELS` per distinct
 layer shape and per M bucket, rejects any kernel whose result is not fp32-exact against a float64
@@ -11,17 +11,24 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from engine.kernels import matmul
-from engine.kernels.matmul import KernelFn
-from engine.layers.linear import Linear
+from engine.kernels.matmul import KernelFn, MatmulLayer
 
 DEFAULT_M_VALUES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+
+class TunableLayer(MatmulLayer, Protocol):
+    """What selection reads and calls of a layer (`engine.layers.linear.Linear` provides it)."""
+
+    def install(self, plan: Mapping[int, tuple[str, KernelFn]]) -> None:
+        """Serve each M bucket of `plan` with its (name, kernel)."""
+        ...
 
 
 @dataclass
@@ -52,6 +59,11 @@ class KernelTable:
     rounds, of a pass over all layers in that mode as a multiple of the round's fastest mode (see
     ``select_kernels``); empty if not tried."""
     shared: dict[Any, Any] = field(default_factory=dict, repr=False)
+    source: str = "timed"
+    """"timed" by ``select_kernels``, or "stored": a stored plan installed without timing
+    (`engine.kernels.plan_store`), when ``timings`` and ``passes`` are empty."""
+    plan_path: str = ""
+    """Where the plan is stored ("" if it is not)."""
 
     def format(self) -> str:
         """A text table: ms per call (GB/s) for each kernel, shape and M; * marks the choice."""
@@ -82,7 +94,7 @@ class KernelTable:
         return "\n".join(lines)
 
 
-def _rel_err(layer: Linear, x: torch.Tensor, y: torch.Tensor) -> float:
+def _rel_err(layer: TunableLayer, x: torch.Tensor, y: torch.Tensor) -> float:
     """Relative Frobenius error of y against float64 on up to ~256 sampled output columns."""
     n = layer.out_features
     ends = [torch.arange(min(n, 64)), torch.arange(max(0, n - 64), n)]  # tails, where bugs hide
@@ -97,7 +109,7 @@ def _rel_err(layer: Linear, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _time_cell(
-    layers: list[Linear],
+    layers: list[TunableLayer],
     fns: dict[str, list[KernelFn]],
     x: torch.Tensor,
     rounds: int,
@@ -209,14 +221,13 @@ def _tune_rows_prefetch(
 
 
 def select_kernels(
-    linears: Iterable[Linear],
+    linears: Iterable[TunableLayer],
     m_values: Sequence[int] = DEFAULT_M_VALUES,
     kernels: Sequence[str] | None = None,
     *,
     rounds: int = 3,
     target_s: float = 0.002,
     prune: float = 1.25,
-    openblas_threads: int = 1,
     default_margin: float = 1.25,
     pass_rounds: int = 5,
     prefetch_rounds: int = 9,
@@ -237,9 +248,6 @@ def select_kernels(
     ``prefetch_rounds`` rounds; 0: kept as it is): whether several rows stream faster with software
     prefetch, and of which kind, depends on the CPU and the row count.
 
-    ``openblas_threads`` defaults to 1 on purpose: OpenBLAS workers spin-wait after each call and
-    starve the OpenMP threads of the torch ops that run between calls; one thread runs OpenBLAS on
-    the caller only. onnxruntime gets ``torch.get_num_threads()`` threads that do not spin.
     The kernel `engine.kernels.matmul.default_kernel` names for an M is kept unless the fastest
     exact one beats it by more than ``default_margin`` x.
 
@@ -255,11 +263,11 @@ def select_kernels(
     """
     t_start = time.perf_counter()
     table = KernelTable(threads=torch.get_num_threads())
-    table.shared["openblas_threads"] = openblas_threads
-    groups: dict[tuple[Any, ...], list[Linear]] = {}
+    groups: dict[tuple[Any, ...], list[TunableLayer]] = {}
     linears_list = list(linears)
     # group -> (its layers, kernel name -> one kernel per layer, (kernel, M) -> exact, plan)
-    built: dict[tuple[Any, ...], tuple[list[Linear], dict[str, list[KernelFn]], Any, Any]] = {}
+    built: dict[tuple[Any, ...], tuple[list[TunableLayer], dict[str, list[KernelFn]], Any, Any]]
+    built = {}
     order: list[tuple[tuple[Any, ...], int]] = []  # (group, index in it) of each layer, in order
     for layer in linears_list:
         if layer.transposed:

@@ -3,8 +3,7 @@
 A decode or verify step makes a few small float32 results per decoder layer. Rather than a new
 tensor each (an allocation, in a block that the other pool thread has often just used), each
 role (the norms' output, the QKV product's, ...) has one buffer that every layer writes in turn:
-a result is used up within its layer (docs/benchmarks.md, "Output buffers shared by the
-layers")."""
+a result is used up within its layer."""
 
 from __future__ import annotations
 

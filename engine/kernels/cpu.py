@@ -202,7 +202,8 @@ class CpuKernels:
         return top, ids
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
+    """This CPU's model name and feature flags (what a build or a kernel plan is keyed by)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -250,7 +251,7 @@ def load_library(
     files = (sources,) if isinstance(sources, Path) else sources
     headers = sorted({h for s in files for h in s.parent.glob("*.h")})
     flags = " ".join((*CFLAGS, *extra_flags))
-    digest = hashlib.sha256(flags.encode() + _cpu_signature().encode())
+    digest = hashlib.sha256(flags.encode() + cpu_signature().encode())
     for path in (*files, *headers):
         digest.update(path.read_bytes())
     target = specserve_home() / "kernels" / f"{files[0].stem}-{digest.hexdigest()[:16]}.so"

@@ -1,15 +1,16 @@
 """Linear layer whose storage layout and matrix kernel are private.
 
-On CPU the weight is stored transposed, ``W^T`` as ``[in, out]`` contiguous, the layout OpenBLAS
-and onnxruntime's MLAS read fastest; oneDNN and MKL read it as a transposed ``[out, in]`` view.
-On CUDA the weight is stored ``[out, in]`` and ``forward`` is plain ``F.linear``.
+On CPU the weight is stored transposed, ``W^T`` as ``[in, out]`` contiguous, the layout the "rows"
+kernel packs its panels from and a tied embedding gathers its rows from (columns of W^T, read in
+place); ``F.linear`` (MKL) reads it as a transposed ``[out, in]`` view. On CUDA the weight is stored
+``[out, in]`` and ``forward`` is plain ``F.linear``.
 
 The layer holds one kernel per M bucket (`engine.kernels.matmul` builds them,
-`engine.kernels.autotune.select_kernels` chooses them by measurement and calls ``install``);
-``forward`` costs one tuple lookup plus the kernel.
+`engine.kernels.plan_store.choose_kernels` chooses them and calls ``install``); ``forward`` costs
+one tuple lookup plus the kernel.
 
 Inference only: inputs must not require grad. A layer is not safe for concurrent ``forward`` calls
-from several threads (the MLAS kernel reuses one onnxruntime binding per layer). The placement and
+from several threads (its kernels may write to one shared output buffer). The placement and
 dtype are fixed at construction: the weights are plain tensor attributes, so ``Module.to`` leaves
 them alone.
 """
@@ -29,8 +30,9 @@ class Linear(torch.nn.Module):
     """y = x @ W^T + b. W is [out_features, in_features] logically (HF layout); the storage
     layout and the kernel are private.
 
-    Until ``select_kernels`` runs, CPU fp32 layers use the "rows" kernel for M = 1 to 64 and oneDNN
-    above (`engine.kernels.matmul.default_plan`); other dtypes and devices use ``F.linear``.
+    Until a plan is installed (``install``), CPU fp32 layers use the "rows" kernel for M = 1 to
+    64 and ``F.linear`` above (`engine.kernels.matmul.default_plan`); other dtypes and devices use
+    ``F.linear``.
     Weights must be written through ``load_rows`` / ``load_bias`` (which bump
     ``weights_version``), or before the first ``forward``: kernels that hold a re-laid-out copy
     make it again only when the version changes.

@@ -43,7 +43,7 @@ def available(layer: Linear) -> list[str]:
 
 def test_cpu_fp32_has_all_kernels() -> None:
     layer = Linear(8, 8, dtype=torch.float32, device="cpu")
-    assert set(available(layer)) == {"torch", "onednn", "openblas", "mlas", "rows"}
+    assert set(available(layer)) == {"torch", "rows"}
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -211,7 +211,7 @@ def test_selection_times_whole_passes() -> None:
     assert only_rows.passes == {}
 
 
-@pytest.mark.parametrize(("default_ms", "installed"), [(1.2, "rows"), (1.3, "onednn")])
+@pytest.mark.parametrize(("default_ms", "installed"), [(1.2, "rows"), (1.3, "torch")])
 def test_whole_passes_keep_the_default_within_the_margin(
     monkeypatch: pytest.MonkeyPatch, default_ms: float, installed: str
 ) -> None:
@@ -220,20 +220,20 @@ def test_whole_passes_keep_the_default_within_the_margin(
     from engine.kernels import autotune
 
     def passes(calls: dict[str, list[object]], rounds: int) -> dict[str, float]:
-        assert {"all rows", "all onednn"} <= set(calls)
+        assert {"all rows", "all torch"} <= set(calls)
         return {v: default_ms if v == "all rows" else 1.0 for v in calls}
 
     time_cell = autotune._time_cell
 
     def cells(*args: object, **kwargs: object) -> dict[str, autotune.Timing]:
         timed = time_cell(*args, **kwargs)  # type: ignore[arg-type]
-        timed["onednn"].ms = timed["rows"].ms / 10  # one shape at a time, oneDNN wins
+        timed["torch"].ms = timed["rows"].ms / 10  # one shape at a time, torch wins
         return timed
 
     monkeypatch.setattr(autotune, "_time_cell", cells)
     monkeypatch.setattr(autotune, "_time_passes", passes)
     layers = [make(64, 96, False, seed=s)[0] for s in range(2)]
-    table = select_kernels(layers, m_values=(4,), kernels=["rows", "onednn"], target_s=2e-4)
+    table = select_kernels(layers, m_values=(4,), kernels=["rows", "torch"], target_s=2e-4)
     assert table.chosen[(64, 96)] == {4: installed}
     assert {layer.kernel_names[4] for layer in layers} == {installed}
 
@@ -252,7 +252,7 @@ def test_non_fp32_cpu_uses_torch() -> None:
 
 def test_defaults_and_layout() -> None:
     layer = Linear(24, 40, dtype=torch.float32, device="cpu")
-    assert layer.kernel_names == {ROWS_MAX: "rows", ROWS_MAX + 1: "onednn"}
+    assert layer.kernel_names == {ROWS_MAX: "rows", ROWS_MAX + 1: "torch"}
     assert layer.storage.shape == (24, 40) and layer.storage.is_contiguous()  # W^T [in, out]
     assert layer.weight_view().shape == (40, 24)
 
@@ -272,27 +272,6 @@ def test_default_rows_kernel_packs_at_first_call_and_after_each_load() -> None:
         check(layer(x[:1]), oracle(x[:1], w.float().double(), b.float().double()))
     layer.load_rows(32, torch.zeros(64, 64))  # a partial load after a call
     assert not layer(x)[:, 32:].ne(layer.bias[32:]).any()
-
-
-def test_openblas_runs_single_threaded() -> None:
-    from engine.kernels import matmul as mod
-
-    layer = Linear(24, 40, dtype=torch.float32, device="cpu")
-    lib = mod._openblas_lib()
-    assert lib is not None
-    get = getattr(lib, "scipy_openblas_get_num_threads64_", None) or lib.openblas_get_num_threads
-    assert get() == 1
-    select_kernels([layer], m_values=(1,), target_s=1e-4, openblas_threads=2)
-    assert get() == 2
-    mod.set_openblas_threads(1)
-
-
-def test_mlas_one_session_for_all_shapes() -> None:
-    shared: dict = {}
-    a, b = make(64, 96, False)[0], make(96, 40, True)[0]
-    KERNELS["mlas"].build(a, shared)
-    KERNELS["mlas"].build(b, shared)
-    assert [key for key in shared if "mlas" in str(key)] == ["mlas"]
 
 
 def test_non_cpu_layout_is_plain() -> None:
