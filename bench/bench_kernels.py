@@ -3,7 +3,7 @@
 Builds SmolLM2-135M's 121 float32 linears (30 layers x {qkv, o, gate_up, down} + lm_head) with
 random weights, then
 
-1. runs `select_kernels` as start-up does (`engine.kernels.plan_store` with `KERNEL_PLAN=retune`)
+1. runs `select_kernels` as start-up does (`engine.kernels.plan_store.choose_kernels` with "retune")
    and records the kernel it installs per shape and row count (above its largest bucket, the
    kernel that bucket's kernel runs there);
 2. times every candidate kernel at every (shape, rows) the engine runs: 1 to 64 rows (decode and

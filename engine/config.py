@@ -19,6 +19,11 @@ DTYPES = ("float32", "float16", "bfloat16")
 CANDIDATE_SELECTIONS = ("nodes", "coverage", "joint")
 """How a proposer picks its candidate paths (see `MLPSpeculator.draft_candidates`)."""
 
+KERNEL_PLANS = ("reuse", "retune")
+"""What start-up does with the CPU linear layers' kernel plan (`engine.kernels.plan_store`):
+"reuse" installs the plan stored for this CPU, model and build (timing and storing one where
+none is); "retune" times the kernels again and replaces the stored plan."""
+
 DEFAULT_MEMORY_FRACTION = 0.9
 """Of a CUDA device's memory, what this process plans for (TGIS's CUDA_PROCESS_MEMORY_FRACTION):
 the rest absorbs what the profile step cannot see, such as allocator fragmentation as requests
@@ -193,6 +198,9 @@ class EngineConfig:
     cpu_kernels: bool = True
     """On CPU in float32, run the model's glue and attention as fused C kernels (when a C
     compiler is found); False keeps the same maths as ATen ops."""
+    kernel_plan: str = field(default="reuse", metadata=bounded(Bounds(choices=KERNEL_PLANS)))
+    """On CPU, whether start-up reuses the stored kernel plan or times the kernels again (one of
+    `KERNEL_PLANS`)."""
     speculative: SpeculativeConfig | None = field(default=None)
     tensor_parallel_size: int = field(default=1, metadata=bounded(Bounds(low=1)))
     """Processes the model is split over (`engine.parallel`): heads, MLP columns, vocabulary and

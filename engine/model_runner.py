@@ -112,7 +112,7 @@ class ModelRunner:
         load_weights(self.model, self.model_path)
         self.model.eval()
         if self.device.type == "cpu":
-            self.kernel_table = choose_kernels(self.model.linears())
+            self.kernel_table = choose_kernels(self.model.linears(), config.kernel_plan)
             logger.info(
                 "linear kernels by [in, out] and rows: %s",
                 ", ".join(

@@ -235,6 +235,14 @@ class ServerConfig:
         "MAX_BATCHED_TOKENS) rows; larger steps run eagerly.",
         SWITCH,
     )
+    kernel_plan: str = setting(
+        "reuse",
+        "CPU linear layers' kernel plan: reuse installs the plan stored for this CPU, model "
+        "and build (timing and storing one where none is, under $SPECSERVE_HOME/kernels); "
+        "retune times the kernels again and replaces it.",
+        TEXT,
+        bounds=bounds_of(EngineConfig, "kernel_plan"),
+    )
     paged_attention: bool = setting(
         False, "TGIS switch, accepted: attention is always paged here.", BOOLEAN
     )

@@ -102,6 +102,7 @@ def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfi
         memory_fraction=config.cuda_process_memory_fraction,
         flash_attention=config.flash_attention,
         cuda_graphs=not config.no_cuda_graphs,
+        kernel_plan=config.kernel_plan,
         enable_prefix_caching=config.prefix_caching,
         speculative=speculative,
         tensor_parallel_size=config.num_shard,

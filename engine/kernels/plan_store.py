@@ -12,9 +12,9 @@ folder cannot be written), where the key is a digest of
 - the model, as the kernels see it: every layer's (in, out, dtype, bias) in forward order;
 - the build: the kernels' sources (every file of `engine/kernels`) and torch's version.
 
-``KERNEL_PLAN`` (`KERNEL_PLAN_ENV`) says what start-up does: "reuse" (the default) installs the
-stored plan, timing and storing one where none is stored; "retune" times again and replaces the
-stored plan.
+`EngineConfig.kernel_plan` (the server's KERNEL_PLAN) says what start-up does: "reuse" (the
+default) installs the stored plan, timing and storing one where none is stored; "retune" times
+again and replaces the stored plan.
 """
 
 from __future__ import annotations
@@ -38,20 +38,7 @@ from engine.paths import specserve_home
 
 logger = logging.getLogger(__name__)
 
-KERNEL_PLAN_ENV = "KERNEL_PLAN"
-PLAN_MODES = ("reuse", "retune")
-"""Values of ``KERNEL_PLAN``: "reuse" (default) installs the plan stored for this CPU, model and
-build, timing and storing one where none is; "retune" times the kernels again and stores the
-new plan."""
 FORMAT = 1  # of the stored JSON
-
-
-def plan_mode() -> str:
-    """``$KERNEL_PLAN``, "reuse" when unset or empty; ValueError for another value."""
-    mode = os.environ.get(KERNEL_PLAN_ENV) or "reuse"
-    if mode not in PLAN_MODES:
-        raise ValueError(f"{KERNEL_PLAN_ENV}={mode!r}: expected one of {', '.join(PLAN_MODES)}")
-    return mode
 
 
 def plan_dirs() -> tuple[Path, ...]:
@@ -164,12 +151,12 @@ def _install(layers: list[TunableLayer], stored: dict[str, Any]) -> KernelTable 
     return table
 
 
-def choose_kernels(linears: Iterable[TunableLayer], mode: str | None = None) -> KernelTable:
+def choose_kernels(linears: Iterable[TunableLayer], mode: str = "reuse") -> KernelTable:
     """Install a kernel plan in every CPU layer of `linears` (the model's, in forward order),
     after its weights are loaded: the stored plan for this CPU, model and build when there is
-    one and `mode` (default `plan_mode()`) is "reuse"; else the plan `select_kernels` times,
-    which is then stored. The table says which (``source``) and where the plan is stored."""
-    mode = plan_mode() if mode is None else mode
+    one and `mode` is "reuse"; else ("retune", see `engine.config.KERNEL_PLANS`) the plan
+    `select_kernels` times, which is then stored. The table says which (``source``) and where
+    the plan is stored."""
     layers = [layer for layer in linears if layer.transposed]
     if not layers:
         return KernelTable(threads=torch.get_num_threads())

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels.plan_store import KERNEL_PLAN_ENV, choose_kernels, plan_dirs, plan_mode
+from engine.kernels.plan_store import choose_kernels, plan_dirs
 from engine.kernels.rows import load_rows_gemm
 from engine.layers.linear import Linear
+from server.config import ServerConfig
 
 SHAPES = [(64, 96), (64, 96), (96, 40)]  # (in, out), forward order
 
@@ -45,7 +46,6 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    monkeypatch.delenv(KERNEL_PLAN_ENV, raising=False)
     return tmp_path / "home"
 
 
@@ -76,9 +76,7 @@ def test_a_restart_reuses_the_stored_plan_without_timing(home: Path) -> None:
     check(second)
 
 
-def test_retune_times_again_and_replaces_the_plan(
-    home: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_retune_times_again_and_replaces_the_plan(home: Path) -> None:
     path = Path(choose_kernels(model(0)).plan_path)
     content = json.loads(path.read_text())
     content["chosen"] = {
@@ -88,9 +86,8 @@ def test_retune_times_again_and_replaces_the_plan(
     reused = choose_kernels(model(1))
     assert reused.source == "stored"
     assert {name for plan in reused.chosen.values() for name in plan.values()} == {"torch"}
-    monkeypatch.setenv(KERNEL_PLAN_ENV, "retune")
     layers = model(2)
-    table = choose_kernels(layers)
+    table = choose_kernels(layers, "retune")
     assert table.source == "timed" and table.timings and table.plan_path == str(path)
     stored = json.loads(path.read_text())["chosen"]
     assert stored == {
@@ -138,11 +135,10 @@ def test_a_plan_naming_an_unknown_kernel_is_timed_again(home: Path) -> None:
     check(layers)
 
 
-def test_plan_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(KERNEL_PLAN_ENV, raising=False)
-    assert plan_mode() == "reuse"
-    monkeypatch.setenv(KERNEL_PLAN_ENV, "retune")
-    assert plan_mode() == "retune"
-    monkeypatch.setenv(KERNEL_PLAN_ENV, "again")
+def test_kernel_plan_setting() -> None:
+    """KERNEL_PLAN is a declared setting: its value reaches the engine's config, others stop
+    start-up naming the values allowed."""
+    assert ServerConfig.from_env_and_args([], {}).kernel_plan == "reuse"
+    assert ServerConfig.from_env_and_args([], {"KERNEL_PLAN": "retune"}).kernel_plan == "retune"
     with pytest.raises(ValueError, match="reuse, retune"):
-        plan_mode()
+        ServerConfig.from_env_and_args([], {"KERNEL_PLAN": "again"})

@@ -46,7 +46,7 @@ def test_greedy_matches_transformers_with_and_without_speculator(
 ) -> None:
     """Kernel selection by measurement is skipped (each Linear keeps its default kernels, and
     tests/unit/test_linear.py checks every kernel exact); the server test runs it."""
-    monkeypatch.setattr(model_runner, "choose_kernels", lambda linears: KernelTable())
+    monkeypatch.setattr(model_runner, "choose_kernels", lambda linears, mode: KernelTable())
     path = checkpoints[variant]
     prompts = [list(p) for p in chat_prompt_ids(path)[:NUM_PROMPTS]]
     refs = [hf_greedy(path, tuple(p), MAX_NEW_TOKENS) for p in prompts]
