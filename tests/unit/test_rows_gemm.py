@@ -274,8 +274,8 @@ def test_threads_default_to_torch() -> None:
 
 def test_threads_are_set_when_built_not_at_the_first_call() -> None:
     """A layer's default "rows" kernel packs at its first call, which may come while torch is
-    held to one thread (drafting's `single_threaded_glue`): the process-wide thread count must
-    stay the one torch had when the kernel was built."""
+    held to one thread (as the ATen attention backend holds it): the process-wide thread count
+    must stay the one torch had when the kernel was built."""
     lib = load_rows_gemm()
     assert lib is not None
     threads = torch.get_num_threads()
