@@ -106,9 +106,9 @@ class StepParams:
     def select(self, index: torch.Tensor) -> StepParams:
         """The parameters of the rows at `index` (int64, on the device)."""
         return StepParams(
-            self.rows.index_select(0, index),
-            self.penalised_ids.index_select(0, index),
-            self.eos_ids.index_select(0, index),
+            self.rows[index],
+            self.penalised_ids[index],
+            self.eos_ids[index],
             [],
             self.has_eos_rule,
         )
@@ -132,15 +132,26 @@ def apply_eos_rules(logits: torch.Tensor, step: StepParams) -> torch.Tensor:
     return logits.scatter_(1, step.eos_ids, new.to(logits.dtype))
 
 
-def apply_penalty_and_temperature(scores: torch.Tensor, step: StepParams) -> torch.Tensor:
-    """The repetition penalty (clamped to +-`MAX_SCORE`) and the temperature, in place on the
-    processed rows' float32 scores [R, vocab]; a greedy row's temperature is 1."""
+def penalised_scores(
+    logits: torch.Tensor,  # [M, vocab] float32
+    rows: torch.Tensor | None,  # [R] int64: the rows to process (None: all M, R = M)
+    step: StepParams,  # the R rows' parameters
+) -> torch.Tensor:  # [R, vocab] float32, a new tensor
+    """The rows' repetition penalty (clamped to +-`MAX_SCORE`), then their temperature (a
+    greedy row's is 1): each penalised score is computed from the raw one, as
+    `process_logits` does, and written over the divided scores."""
+    temperature = step.column(1)
+    scores = logits / temperature if rows is None else logits[rows].div_(temperature)
     if step.penalised_ids.shape[1] > 0:
+        if rows is None:
+            rows = torch.arange(logits.shape[0], device=logits.device)
         rp = step.column(5)
-        seen = scores.gather(1, step.penalised_ids)
+        seen = logits[rows[:, None], step.penalised_ids]
         penalised = torch.where(seen < 0, seen * rp, seen / rp).clamp(-MAX_SCORE, MAX_SCORE)
-        scores.scatter_(1, step.penalised_ids, torch.where(rp != 1.0, penalised, seen))
-    return scores.div_(step.column(1))
+        scores.scatter_(
+            1, step.penalised_ids, torch.where(rp != 1.0, penalised, seen) / temperature
+        )
+    return scores
 
 
 @dataclass

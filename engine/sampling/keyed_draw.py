@@ -13,6 +13,7 @@ constant stay below 2**63), so it runs batched on any device with the same resul
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -54,9 +55,25 @@ def keys_of(parts: torch.Tensor) -> torch.Tensor:
     return _mix(key ^ pos)
 
 
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """`_mix` in uint32 arithmetic (wrapping products, logical shifts), in place."""
+    for shift, mul in ((16, _MUL1), (15, _MUL2), (16, _MUL1)):
+        x ^= x >> np.uint32(shift)
+        x *= np.uint32(mul)
+    x ^= x >> np.uint32(15)
+    return x
+
+
 def uniform_at(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """[M] keys, [M, C] int64 token ids -> [M, C] float32 uniforms in (0, 1): for each row, the
-    uniforms `keyed_uniform` gives at those ids."""
+    uniforms `keyed_uniform` gives at those ids. On a CPU the hash runs in numpy's uint32
+    arithmetic (the same values, a quarter of the bytes, on the calling thread)."""
+    if keys.device.type == "cpu":
+        k = keys.numpy().astype(np.uint32)[:, None]
+        x = _mix32(k ^ token_ids.numpy().astype(np.uint32))
+        x ^= k
+        host = (_mix32(x) >> np.uint32(9)).astype(np.float32)
+        return torch.from_numpy((host + np.float32(0.5)) / np.float32(1 << 23))
     bits = _mix(_mix(keys[:, None] ^ token_ids) ^ keys[:, None]) >> 9
     return (bits.float() + 0.5) / float(1 << 23)  # 23 bits: 1 - 2**-24 is a float32 below 1
 

@@ -15,8 +15,8 @@ from engine.request import Request
 from engine.sampling.batch_rules import (
     StepParams,
     apply_eos_rules,
-    apply_penalty_and_temperature,
     filtered_candidates,
+    penalised_scores,
 )
 from engine.sampling.keyed_draw import keyed_sample_at, keys_of
 from engine.sampling.logits_processor import sorted_logprobs
@@ -97,17 +97,24 @@ def _choose(
                             eos_token_ids, groups, logits.device)  # fmt: skip
     if step.has_eos_rule:
         logits = apply_eos_rules(logits.clone(), step)
-    bad = logits.isnan().any(-1) | logits.isposinf().any(-1)  # [M]
-    parts = [logits.argmax(dim=-1).double(), bad.double()]
+    parts: list[torch.Tensor] = []
+    if logits.device.type == "cpu":  # numpy's argmax: no wake-up of the intra-op thread pool
+        raw = logits.numpy()
+        index = raw.argmax(axis=1)  # [M]: the first NaN if any, else the first maximum
+        values = raw[np.arange(num_rows), index]
+        head = [*index.tolist(), *(np.isnan(values) | np.isposinf(values)).tolist()]
+    else:
+        values_t, index_t = logits.max(dim=-1)  # NaN wins the max
+        parts += [index_t.double(), (values_t.isnan() | values_t.isposinf()).double()]
+        head = []
     reads: list[tuple[list[int], int, bool]] = []  # rows, detail width, sampled
     if processed:
-        rules = step.select(step.groups[0])  # [P] rows' parameters
-        scores = apply_penalty_and_temperature(
-            logits.index_select(0, step.groups[0]).float(), rules
-        )
+        every = len(processed) == num_rows
+        rules = step if every else step.select(step.groups[0])  # [P] rows' parameters
+        scores = penalised_scores(logits, None if every else step.groups[0], rules)
         if greedy:
             rows = [processed[j] for j in greedy]
-            chosen = scores.index_select(0, step.groups[1])
+            chosen = scores if len(greedy) == len(processed) else scores[step.groups[1]]
             tokens = chosen.argmax(-1)
             parts.append(tokens.double())
             width = _top_width([params[i] for i in rows], vocab)
@@ -120,9 +127,13 @@ def _choose(
             if not group:
                 continue
             rows = [processed[j] for j in group]
-            sub = rules.select(index)
+            every = len(group) == len(processed)
+            sub = rules if every else rules.select(index)
             c = filtered_candidates(
-                scores.index_select(0, index), sub, [params[i] for i in rows], full=group is whole
+                scores if every else scores[index],
+                sub,
+                [params[i] for i in rows],
+                full=group is whole,
             )
             drawn = keyed_sample_at(c.scores, c.token_ids, keys_of(sub.rows[:, 6:9].long()))
             tokens = c.token_ids.gather(1, drawn[:, None])[:, 0]
@@ -137,7 +148,9 @@ def _choose(
                              logp[:, :width])
                 )  # fmt: skip
             reads.append((rows, -1 if width is None else width, True))
-    flat = torch.cat([t.flatten() for t in parts]).tolist()  # the one copy to the host
+    if parts:
+        head += torch.cat([t.flatten() for t in parts]).tolist()  # the one copy to the host
+    flat = head
     choices = Choices([int(t) for t in flat[:num_rows]], [None] * num_rows, [None] * num_rows)
     flags = flat[num_rows : 2 * num_rows]
     no_distribution: set[int] = set()
@@ -213,7 +226,7 @@ def _choose_again(
     past_token_ids: Sequence[Sequence[int]],
 ) -> None:
     """Choose `rows` again with the whole vocabulary as candidates, into `choices`."""
-    sub = logits.index_select(0, torch.tensor(rows, device=logits.device))
+    sub = logits[torch.tensor(rows, device=logits.device)]
     again = _choose(sub, [params[i] for i in rows], [seeds[i] for i in rows],
                     [positions[i] for i in rows], [past_token_ids[i] for i in rows],
                     None, None, full=True)  # fmt: skip
