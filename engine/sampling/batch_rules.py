@@ -157,7 +157,8 @@ def penalised_scores(
 @dataclass
 class Candidates:
     """Sampled rows' filtered scores [m, C] sorted descending (ties by token id, -inf where
-    filtered out), their token ids [m, C], and `overflow` [m]: the row's top-k kept more tokens
+    filtered out; in token id order when no row filters or asks for details), their token ids
+    [m, C], and `overflow` [m]: the row's top-k kept more tokens
     than its candidates (ties at the k-th score), so its candidates are not all it keeps."""
 
     scores: torch.Tensor
@@ -173,6 +174,12 @@ def filtered_candidates(
 ) -> Candidates:
     """Top-k, top-p and typical-p of the rows, each rule only on rows that set it."""
     vocab = scores.shape[-1]
+    if full and not any(0 < p.top_k < vocab or p.top_p < 1.0 or p.typical_p < 1.0 or p.logprobs
+                        for p in params):  # fmt: skip
+        # nothing filtered and no details: the scores as they are (the draw ignores the order)
+        ids = torch.arange(vocab, device=scores.device).expand(scores.shape[0], vocab)
+        no_overflow = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
+        return Candidates(scores, ids, no_overflow)
     if full:
         values, ids = scores.sort(dim=-1, descending=True, stable=True)
     else:

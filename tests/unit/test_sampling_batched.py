@@ -97,3 +97,20 @@ def test_top_k_ties_beyond_the_candidates() -> None:
     batched = sample_with_details(*args)
     assert batched == choices_row_by_row(*args)
     assert all(len(d.top_token_ids) == 21 for d in batched.details if d is not None)
+
+
+def test_unfiltered_rows_without_details() -> None:
+    """Sampled rows that filter nothing and ask for no details (drawn in token id order) with
+    plain greedy rows and EOS rules."""
+    rows, logits = _batch(4)
+    params = [
+        SamplingParams(temperature=0.5 + 0.1 * (i % 7), seed=i, min_new_tokens=2 * (i % 3),
+                       repetition_penalty=1.0 + 0.1 * (i % 4)) if i % 5 else SamplingParams()
+        for i in range(len(rows))
+    ]  # fmt: skip
+    n = len(rows)
+    past = [r[3] for r in rows]
+    args = (logits, params, list(range(n)), list(range(40, 40 + n)), past, [1] * n, [EOS] * n)
+    batched = sample_with_details(*args)
+    assert batched == choices_row_by_row(*args)
+    assert len(set(batched.token_ids)) > n // 2
