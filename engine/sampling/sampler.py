@@ -277,10 +277,10 @@ def greedy_choices(
         rows = [i for i, ids in enumerate(masked_ids) for _ in ids]
         cols = [t for ids in masked_ids for t in sorted(ids)]
         if rows:
-            host = torch.tensor([rows, cols], dtype=torch.int64)
+            masked = torch.tensor([rows, cols], dtype=torch.int64)
             if logits.device.type == "cuda":
-                host = host.pin_memory()
-            index = host.to(logits.device, non_blocking=True)  # the one host-to-device copy
+                masked = masked.pin_memory()
+            index = masked.to(logits.device, non_blocking=True)  # the one host-to-device copy
             logits = logits.clone()
             logits[index[0], index[1]] = float("-inf")
         values_t, index_t = logits.max(dim=-1)  # [M] each: NaN wins the max
