@@ -13,7 +13,7 @@ a random-weight one (`tools.tiny_speculator`: drafts are rarely accepted, so it 
 of sampling every tree node), every step drafting for all 32 requests (no adaptive policy).
 
     python -m bench.bench_sampling [--rounds 3] [--requests 32] [--max-new-tokens 64]
-        [--mix mixed|top-k] [--no-speculation]
+        [--mix mixed|top-k] [--speculation off|on|both]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--mix", choices=("mixed", "top-k"), default="mixed")
-    parser.add_argument("--no-speculation", action="store_true")
+    parser.add_argument("--speculation", choices=("off", "on", "both"), default="both")
     args = parser.parse_args()
     model = default_model_path()
     sampled = request_params(args.mix, args.requests, args.max_new_tokens)
@@ -112,8 +112,10 @@ def main() -> None:
     print("| speculation | greedy tok/s | sampled tok/s | sampled/greedy |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        modes: list[tuple[str, Path | None]] = [("off", None)]
-        if not args.no_speculation:
+        modes: list[tuple[str, Path | None]] = []
+        if args.speculation != "on":
+            modes.append(("off", None))
+        if args.speculation != "off":
             path, kind = speculator(Path(tmp), model)
             modes.append((f"on ({kind} speculator)", path))
         for name, spec in modes:

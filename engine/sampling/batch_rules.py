@@ -18,8 +18,18 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling.keyed_draw import key_parts
-from engine.sampling.logits_processor import MAX_SCORE, _eos_factor, top_p_drop, typical_drop
+from engine.sampling.logits_processor import (
+    MAX_SCORE,
+    _eos_factor,
+    id_order_total,
+    top_p_drop,
+    typical_drop,
+)
 from engine.sampling.params import SamplingParams
+
+NUCLEUS_CANDIDATES = 1024
+"""Candidates of a row with top-p and no top-k: a row whose nucleus reaches the last of them
+is chosen again over the whole vocabulary (`Candidates.overflow`)."""
 
 TIE_MARGIN = 8
 """Candidates beyond the largest top-k: a row whose last candidate still ties its k-th score
@@ -154,12 +164,17 @@ def penalised_scores(
     return scores
 
 
+def _normalised_total(scores: torch.Tensor) -> torch.Tensor:  # [M, 1]
+    """`top_p_drop`'s normaliser of rows sorted descending when given none."""
+    return (scores - scores[:, :1]).exp().cumsum(-1)[:, -1:]
+
+
 @dataclass
 class Candidates:
     """Sampled rows' filtered scores [m, C] sorted descending (ties by token id, -inf where
     filtered out; in token id order when no row filters or asks for details), their token ids
-    [m, C], and `overflow` [m]: the row's top-k kept more tokens
-    than its candidates (ties at the k-th score), so its candidates are not all it keeps."""
+    [m, C], and `overflow` [m]: the row may keep more tokens than its candidates (ties at the
+    k-th score, or a nucleus reaching the last candidate)."""
 
     scores: torch.Tensor
     token_ids: torch.Tensor
@@ -170,9 +185,12 @@ def filtered_candidates(
     scores: torch.Tensor,  # [m, vocab] after temperature
     step: StepParams,  # the m rows' parameters
     params: Sequence[SamplingParams],  # [m]
-    full: bool,  # the whole vocabulary as candidates (else the top-k's, every row having one)
+    candidates: str,  # "top_k" (every row has one), "top_p" (every row has it, none top-k), "all"
 ) -> Candidates:
-    """Top-k, top-p and typical-p of the rows, each rule only on rows that set it."""
+    """Top-k, top-p and typical-p of the rows, each rule only on rows that set it, among the
+    rows' candidates: the best of their top-k (and `TIE_MARGIN` more), the best
+    `NUCLEUS_CANDIDATES`, or the whole vocabulary."""
+    full = candidates == "all"
     vocab = scores.shape[-1]
     if full and not any(0 < p.top_k < vocab or p.top_p < 1.0 or p.typical_p < 1.0 or p.logprobs
                         for p in params):  # fmt: skip
@@ -183,7 +201,8 @@ def filtered_candidates(
     if full:
         values, ids = scores.sort(dim=-1, descending=True, stable=True)
     else:
-        width = min(vocab, max(p.top_k for p in params) + TIE_MARGIN)
+        width = NUCLEUS_CANDIDATES if candidates == "top_p" else max(p.top_k for p in params)
+        width = min(vocab, width + TIE_MARGIN)
         values, ids = scores.topk(width, -1)
         ids, by_id = ids.sort(-1)
         values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
@@ -199,8 +218,16 @@ def filtered_candidates(
             overflow = with_top_k[:, 0] & (values[:, -1] >= kth[:, 0])
     if any(p.top_p < 1.0 for p in params):
         top_p = step.rows[:, 3:4]
-        drop = top_p_drop(values, top_p.float()) & (top_p < 1.0)
+        no_top_k = (step.rows[:, 2:3] <= 0) | (step.rows[:, 2:3] >= vocab)  # [m, 1]
+        total = None
+        if any(not 0 < p.top_k < vocab for p in params):
+            total = id_order_total(scores)
+            if any(0 < p.top_k < vocab for p in params):
+                total = torch.where(no_top_k, total, _normalised_total(values))
+        drop = top_p_drop(values, top_p.float(), total) & (top_p < 1.0)
         values = values.masked_fill(drop, -math.inf)
+        if candidates == "top_p" and values.shape[1] < vocab:
+            overflow = overflow | ~drop[:, -1]
     if any(p.typical_p < 1.0 for p in params):
         mass = step.rows[:, 4:5]
         drop = typical_drop(values, mass.float()) & (mass < 1.0)

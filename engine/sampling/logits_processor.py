@@ -94,7 +94,9 @@ def process_logits(
         sorted_scores, order = scores.sort(descending=True, stable=True)
         row = sorted_scores[None]  # [1, vocab]
         if p.top_p < 1.0:
-            row = row.masked_fill(top_p_drop(row, p.top_p), float("-inf"))
+            # without top-k the probabilities are normalised over the vocabulary in id order
+            total = None if 0 < p.top_k < scores.shape[-1] else id_order_total(scores[None])
+            row = row.masked_fill(top_p_drop(row, p.top_p, total), float("-inf"))
         if p.typical_p < 1.0:
             row = row.masked_fill(typical_drop(row, p.typical_p), float("-inf"))
         scores = torch.empty_like(scores).scatter_(0, order, row[0])
@@ -117,13 +119,20 @@ def sorted_logprobs(scores: torch.Tensor) -> torch.Tensor:  # [M, C]
     return _normalised(scores)[1]
 
 
+def id_order_total(scores: torch.Tensor) -> torch.Tensor:  # [M, 1]
+    """The sum of exp(score - row maximum) over rows [M, vocab] in token id order (`cumsum`:
+    the same in any batch): top-p's normaliser when no top-k filtered the row."""
+    return (scores - scores.amax(-1, keepdim=True)).exp().cumsum(-1)[:, -1:]
+
+
 def top_p_drop(
     scores: torch.Tensor,  # [M, C] sorted descending, ties by token id
     top_p: float | torch.Tensor,  # a number, or [M, 1]
+    total: torch.Tensor | None = None,  # [M, 1] `id_order_total` (None: over these C, in order)
 ) -> torch.Tensor:  # [M, C] bool
     """The tokens top-p drops: those whose better tokens already hold `top_p` of the
     probability (the token that crosses `top_p` is kept)."""
-    probs = _normalised(scores)[0]
+    probs = _normalised(scores)[0] if total is None else (scores - scores[:, :1]).exp() / total
     return probs.cumsum(-1) - probs >= top_p
 
 

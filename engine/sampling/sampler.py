@@ -91,8 +91,15 @@ def _choose(
         j for j, i in enumerate(processed)
         if not params[i].greedy and 0 < params[i].top_k < vocab and not full
     ]  # fmt: skip
-    whole = [j for j, i in enumerate(processed) if not params[i].greedy and j not in set(top_k)]
-    groups = [processed, greedy, top_k, whole]
+    nucleus = [
+        j for j, i in enumerate(processed)
+        if not params[i].greedy and j not in set(top_k) and params[i].top_p < 1.0 and not full
+    ]  # fmt: skip
+    whole = [
+        j for j, i in enumerate(processed)
+        if not params[i].greedy and j not in set(top_k) | set(nucleus)
+    ]  # fmt: skip
+    groups = [processed, greedy, top_k, nucleus, whole]
     step = StepParams.build(params, seeds, positions, past_token_ids, num_generated,
                             eos_token_ids, groups, logits.device)  # fmt: skip
     if step.has_eos_rule:
@@ -123,7 +130,11 @@ def _choose(
                 logp = chosen.log_softmax(-1)
                 parts.append(_details(chosen, logp, tokens, values, ids, logp.gather(1, ids)))
             reads.append((rows, -1 if width is None else width, False))
-        for group, index in ((top_k, step.groups[2]), (whole, step.groups[3])):
+        for group, index, candidates in (
+            (top_k, step.groups[2], "top_k"),
+            (nucleus, step.groups[3], "top_p"),
+            (whole, step.groups[4], "all"),
+        ):
             if not group:
                 continue
             rows = [processed[j] for j in group]
@@ -133,7 +144,7 @@ def _choose(
                 scores if every else scores[index],
                 sub,
                 [params[i] for i in rows],
-                full=group is whole,
+                candidates,
             )
             drawn = keyed_sample_at(c.scores, c.token_ids, keys_of(sub.rows[:, 6:9].long()))
             tokens = c.token_ids.gather(1, drawn[:, None])[:, 0]

@@ -114,3 +114,24 @@ def test_unfiltered_rows_without_details() -> None:
     batched = sample_with_details(*args)
     assert batched == choices_row_by_row(*args)
     assert len(set(batched.token_ids)) > n // 2
+
+
+def test_nucleus_candidates_and_their_overflow() -> None:
+    """Top-p without top-k over a vocabulary wider than the nucleus candidates: peaked rows
+    (the nucleus among them) and flat rows (a nucleus beyond them, chosen again over the whole
+    vocabulary), with typical-p, penalties and details."""
+    vocab = 5000
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, vocab, generator=g) * 4  # peaked
+    logits[4:] = torch.randn(4, vocab, generator=g) * 0.05  # flat: nuclei of thousands
+    params = [
+        SamplingParams(temperature=0.8 + 0.1 * i, top_p=0.5 + 0.06 * i, seed=i,
+                       typical_p=0.9 if i % 2 else 1.0, repetition_penalty=1.2 if i % 3 else 1.0,
+                       logprobs=i % 4 == 0, top_n_tokens=3)
+        for i in range(8)
+    ]  # fmt: skip
+    past = [list(range(i, 40 * i, 7)) for i in range(8)]
+    args = (logits, params, list(range(8)), list(range(8)), past, [0] * 8, [EOS] * 8)
+    batched = sample_with_details(*args)
+    assert batched == choices_row_by_row(*args)
+    assert -1 not in batched.token_ids
