@@ -105,6 +105,10 @@ bench-verify: models ## Cost of verifying a [5,3,2]x5 draft tree at batch 1 vs t
 bench-gil: models ## Decode tokens/s at Python's GIL switch interval and the server's, beside an idle or a busy Python thread
 	$(PY) -m bench.gil_switch
 
+.PHONY: bench-sampling
+bench-sampling: models ## Sampled vs greedy batch decode tokens/s, 32 requests x 64 tokens, speculation off and on (MIX=top-k: every request with a top-k)
+	$(PY) -m bench.bench_sampling $(if $(MIX),--mix $(MIX))
+
 .PHONY: bench-serving
 bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/32 (SmolLM2 fp32); SPECULATOR=PATH adds an on/off comparison and a plot
 	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q -c constraints.txt 'matplotlib>=3.8'

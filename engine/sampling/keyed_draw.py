@@ -13,6 +13,7 @@ constant stay below 2**63), so it runs batched on any device with the same resul
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -38,17 +39,49 @@ def row_keys(seeds: list[int], positions: list[int], device: torch.device) -> to
         [s & _MASK32, (s >> 32) & _MASK32, p & _MASK32]
         for s, p in zip(seeds, positions, strict=True)
     ]
-    lo, hi, pos = torch.tensor(parts, dtype=torch.int64, device=device).reshape(-1, 3).unbind(1)
+    return keys_of(torch.tensor(parts, dtype=torch.int64, device=device).reshape(-1, 3))
+
+
+def key_parts(seed: int, position: int) -> tuple[int, int, int]:
+    """The three 32-bit values `keys_of` reads for one (seed, position) pair."""
+    return seed & _MASK32, (seed >> 32) & _MASK32, position & _MASK32
+
+
+def keys_of(parts: torch.Tensor) -> torch.Tensor:
+    """[M, 3] int64 `key_parts` (seed's low and high 32 bits, position) -> [M] int64 keys."""
+    lo, hi, pos = parts.unbind(1)
     key = _mix(lo ^ _GOLDEN)
     key = _mix(key ^ hi)
     return _mix(key ^ pos)
 
 
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """`_mix` in uint32 arithmetic (wrapping products, logical shifts), in place."""
+    for shift, mul in ((16, _MUL1), (15, _MUL2), (16, _MUL1)):
+        x ^= x >> np.uint32(shift)
+        x *= np.uint32(mul)
+    x ^= x >> np.uint32(15)
+    return x
+
+
+def uniform_at(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """[M] keys, [M, C] int64 token ids -> [M, C] float32 uniforms in (0, 1): for each row, the
+    uniforms `keyed_uniform` gives at those ids. On a CPU the hash runs in numpy's uint32
+    arithmetic (the same values, a quarter of the bytes, on the calling thread)."""
+    if keys.device.type == "cpu":
+        k = keys.numpy().astype(np.uint32)[:, None]
+        x = _mix32(k ^ token_ids.numpy().astype(np.uint32))
+        x ^= k
+        host = (_mix32(x) >> np.uint32(9)).astype(np.float32)
+        return torch.from_numpy((host + np.float32(0.5)) / np.float32(1 << 23))
+    bits = _mix(_mix(keys[:, None] ^ token_ids) ^ keys[:, None]) >> 9
+    return (bits.float() + 0.5) / float(1 << 23)  # 23 bits: 1 - 2**-24 is a float32 below 1
+
+
 def keyed_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[M] keys -> [M, vocab] float32 uniforms in (0, 1), one per (key, token id)."""
     ids = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
-    bits = _mix(_mix(keys[:, None] ^ ids[None, :]) ^ keys[:, None]) >> 9
-    return (bits.float() + 0.5) / float(1 << 23)  # 23 bits: 1 - 2**-24 is a float32 below 1
+    return uniform_at(keys, ids[None, :])
 
 
 def keyed_gumbel(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -64,4 +97,15 @@ def keyed_sample(
     """One draw per row from softmax(scores), keyed by (seed, position)."""
     keys = row_keys(seeds, positions, scores.device)
     gumbel = keyed_gumbel(keys, scores.shape[-1])
+    return (scores.float() + gumbel).argmax(dim=-1)
+
+
+def keyed_sample_at(
+    scores: torch.Tensor,  # [M, C] processed scores of C tokens per row (-inf: filtered out)
+    token_ids: torch.Tensor,  # [M, C] int64: the tokens those scores are of
+    keys: torch.Tensor,  # [M] `keys_of` the rows' (seed, position)
+) -> torch.Tensor:  # [M] int64 indices into the C columns
+    """`keyed_sample` where every token outside `token_ids` is filtered out: the same draw
+    (ties in score + noise aside), with noise computed at the C tokens only."""
+    gumbel = -torch.log(-torch.log(uniform_at(keys, token_ids)))
     return (scores.float() + gumbel).argmax(dim=-1)

@@ -74,7 +74,9 @@ def process_logits(
     past_token_ids: Sequence[int],
 ) -> torch.Tensor:  # [vocab] float32 on the logits' device, -inf where filtered out
     """One row's repetition penalty (scores clamped to +-`MAX_SCORE`) and, for sampling only,
-    temperature, top-k, top-p, typical-p."""
+    temperature, top-k, top-p, typical-p: the per-row statement of the rules, which the batched
+    `batch_rules` must match token for token. Top-p and typical-p work on the scores sorted
+    descending, ties by token id (`top_p_drop`, `typical_drop`)."""
     scores = logits.float().clone()
     if p.repetition_penalty != 1.0 and past_token_ids:
         ids = torch.tensor(sorted(set(past_token_ids)), dtype=torch.int64, device=scores.device)
@@ -88,25 +90,63 @@ def process_logits(
     if 0 < p.top_k < scores.shape[-1]:
         kth = torch.topk(scores, p.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_scores, order = scores.sort(descending=True)
-        probs = sorted_scores.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= p.top_p  # keep the token that crosses top_p
-        scores[order[drop]] = float("-inf")
-    if p.typical_p < 1.0:
-        scores = _typical_filter(scores, p.typical_p)
+    if p.top_p < 1.0 or p.typical_p < 1.0:
+        sorted_scores, order = scores.sort(descending=True, stable=True)
+        row = sorted_scores[None]  # [1, vocab]
+        if p.top_p < 1.0:
+            # without top-k the probabilities are normalised over the vocabulary in id order
+            total = None if 0 < p.top_k < scores.shape[-1] else id_order_total(scores[None])
+            row = row.masked_fill(top_p_drop(row, p.top_p, total), float("-inf"))
+        if p.typical_p < 1.0:
+            row = row.masked_fill(typical_drop(row, p.typical_p), float("-inf"))
+        scores = torch.empty_like(scores).scatter_(0, order, row[0])
     return scores
 
 
-def _typical_filter(scores: torch.Tensor, mass: float) -> torch.Tensor:
+def _normalised(
+    scores: torch.Tensor,  # [M, C] sorted descending
+) -> tuple[torch.Tensor, torch.Tensor]:  # [M, C] probabilities, [M, C] log-probabilities
+    """softmax and log_softmax of rows sorted descending, with their sum taken in order
+    (`cumsum`), so that a row's leading values give the same results whatever -inf follow."""
+    shifted = scores - scores[:, :1]
+    e = shifted.exp()
+    total = e.cumsum(-1)[:, -1:]
+    return e / total, shifted - total.log()
+
+
+def sorted_logprobs(scores: torch.Tensor) -> torch.Tensor:  # [M, C]
+    """Log-probabilities of rows of processed scores sorted descending (ties by token id)."""
+    return _normalised(scores)[1]
+
+
+def id_order_total(scores: torch.Tensor) -> torch.Tensor:  # [M, 1]
+    """The sum of exp(score - row maximum) over rows [M, vocab] in token id order (`cumsum`:
+    the same in any batch): top-p's normaliser when no top-k filtered the row."""
+    return (scores - scores.amax(-1, keepdim=True)).exp().cumsum(-1)[:, -1:]
+
+
+def top_p_drop(
+    scores: torch.Tensor,  # [M, C] sorted descending, ties by token id
+    top_p: float | torch.Tensor,  # a number, or [M, 1]
+    total: torch.Tensor | None = None,  # [M, 1] `id_order_total` (None: over these C, in order)
+) -> torch.Tensor:  # [M, C] bool
+    """The tokens top-p drops: those whose better tokens already hold `top_p` of the
+    probability (the token that crosses `top_p` is kept)."""
+    probs = _normalised(scores)[0] if total is None else (scores - scores[:, :1]).exp() / total
+    return probs.cumsum(-1) - probs >= top_p
+
+
+def typical_drop(
+    scores: torch.Tensor,  # [M, C] sorted descending, ties by token id
+    mass: float | torch.Tensor,  # a number, or [M, 1]
+) -> torch.Tensor:  # [M, C] bool
     """HF's TypicalLogitsWarper: keep the tokens whose surprise is closest to the entropy, up to
-    `mass` probability (at least one)."""
-    logp = scores.log_softmax(-1)
-    entropy = -(logp.exp() * logp).nansum()
+    `mass` probability (at least one); the others are dropped."""
+    probs, logp = _normalised(scores)
+    entropy = -torch.where(probs > 0, probs * logp, 0.0).cumsum(-1)[:, -1:]
     shifted = (-logp - entropy).abs()
-    sorted_shifted, order = shifted.sort()
-    cum = scores[order].softmax(-1).cumsum(-1)
-    last = min(int((cum < mass).sum().item()), scores.shape[-1] - 1)
-    remove = sorted_shifted > sorted_shifted[last]
-    remove[0] = False
-    return scores.index_fill(0, order[remove], float("-inf"))
+    sorted_shifted, order = shifted.sort(dim=-1, stable=True)
+    cum = probs.gather(1, order).cumsum(-1)
+    last = (cum < mass).sum(-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
+    drop = shifted > sorted_shifted.gather(1, last)
+    return drop.scatter(1, order[:, :1], False)

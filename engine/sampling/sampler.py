@@ -12,8 +12,14 @@ import numpy as np
 import torch
 
 from engine.request import Request
-from engine.sampling.keyed_draw import keyed_sample
-from engine.sampling.logits_processor import process_eos, process_logits
+from engine.sampling.batch_rules import (
+    StepParams,
+    apply_eos_rules,
+    filtered_candidates,
+    penalised_scores,
+)
+from engine.sampling.keyed_draw import keyed_sample_at, keys_of
+from engine.sampling.logits_processor import sorted_logprobs
 from engine.sampling.params import SamplingParams
 
 
@@ -47,65 +53,198 @@ def sample_with_details(
     seeds: Sequence[int | None],  # [M]: the request's seed (sampled rows)
     positions: Sequence[int],  # [M]: the sequence position of the token being chosen
     past_token_ids: Sequence[Sequence[int]],  # [M]: prompt + output ids, for repetition_penalty
+    num_generated: Sequence[int] | None = None,  # [M]: for the EOS rules (None: no EOS rule)
+    eos_token_ids: Sequence[frozenset[int]] | None = None,  # [M]
 ) -> Choices:
-    """One token per row, plus its details for rows whose params ask for `logprobs`. A row fails
-    alone, with an error and token -1, when its logits hold NaN or +inf or its own rules fail
-    (e.g. a draw from scores that are no longer a distribution); the other rows are unaffected.
+    """One token per row, plus its details for rows whose params ask for `logprobs`: every
+    rule of `logits_processor` (`process_eos` when `num_generated` is given, `process_logits`)
+    applied to all rows at once (`batch_rules`). A row fails alone, with an error and token -1,
+    when its logits hold NaN or +inf or its scores are no longer a distribution; the other rows
+    are unaffected.
 
-    A sampled row's token is `keyed_sample` of its processed scores, so it depends on the seed
-    and the position only. The batch costs one device-to-host copy: tokens, flags and details
-    are read together."""
-    num_rows = len(params)
-    bad = logits.isnan().any(-1) | logits.isposinf().any(-1)  # [M]
-    errors: list[str | None] = [None] * num_rows
-    scores: dict[int, torch.Tensor] = {}  # row -> [vocab] processed scores
-    for i, p in enumerate(params):
-        if p.greedy and p.repetition_penalty == 1.0 and not p.logprobs:
+    A sampled row's token is the keyed draw of its processed scores, so it depends on the seed
+    and the position only. The batch costs one host-to-device copy (the rows' parameters) and
+    one device-to-host copy (tokens, flags and details), unless a row's top-k ties beyond its
+    candidates: such rows are chosen again over the whole vocabulary."""
+    return _choose(logits, params, seeds, positions, past_token_ids, num_generated,
+                   eos_token_ids, full=False)  # fmt: skip
+
+
+def _choose(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int | None],
+    positions: Sequence[int],
+    past_token_ids: Sequence[Sequence[int]],
+    num_generated: Sequence[int] | None,
+    eos_token_ids: Sequence[frozenset[int]] | None,
+    full: bool,
+) -> Choices:
+    """`sample_with_details`; `full`: every sampled row's candidates are the whole vocabulary."""
+    num_rows, vocab = len(params), logits.shape[-1]
+    processed = [
+        i for i, p in enumerate(params)
+        if not (p.greedy and p.repetition_penalty == 1.0 and not p.logprobs)
+    ]  # fmt: skip
+    greedy = [j for j, i in enumerate(processed) if params[i].greedy]
+    top_k = [
+        j for j, i in enumerate(processed)
+        if not params[i].greedy and 0 < params[i].top_k < vocab and not full
+    ]  # fmt: skip
+    nucleus = [
+        j for j, i in enumerate(processed)
+        if not params[i].greedy and j not in set(top_k) and params[i].top_p < 1.0 and not full
+    ]  # fmt: skip
+    whole = [
+        j for j, i in enumerate(processed)
+        if not params[i].greedy and j not in set(top_k) | set(nucleus)
+    ]  # fmt: skip
+    groups = [processed, greedy, top_k, nucleus, whole]
+    step = StepParams.build(params, seeds, positions, past_token_ids, num_generated,
+                            eos_token_ids, groups, logits.device)  # fmt: skip
+    if step.has_eos_rule:
+        logits = apply_eos_rules(logits.clone(), step)
+    parts: list[torch.Tensor] = []
+    if logits.device.type == "cpu":  # numpy's argmax: no wake-up of the intra-op thread pool
+        raw = logits.numpy()
+        index = raw.argmax(axis=1)  # [M]: the first NaN if any, else the first maximum
+        values = raw[np.arange(num_rows), index]
+        head = [*index.tolist(), *(np.isnan(values) | np.isposinf(values)).tolist()]
+    else:
+        values_t, index_t = logits.max(dim=-1)  # NaN wins the max
+        parts += [index_t.double(), (values_t.isnan() | values_t.isposinf()).double()]
+        head = []
+    reads: list[tuple[list[int], int, bool]] = []  # rows, detail width, sampled
+    if processed:
+        every = len(processed) == num_rows
+        rules = step if every else step.select(step.groups[0])  # [P] rows' parameters
+        scores = penalised_scores(logits, None if every else step.groups[0], rules)
+        if greedy:
+            rows = [processed[j] for j in greedy]
+            chosen = scores if len(greedy) == len(processed) else scores[step.groups[1]]
+            tokens = chosen.argmax(-1)
+            parts.append(tokens.double())
+            width = _top_width([params[i] for i in rows], vocab)
+            if width is not None:
+                values, ids = chosen.topk(width, -1)
+                logp = chosen.log_softmax(-1)
+                parts.append(_details(chosen, logp, tokens, values, ids, logp.gather(1, ids)))
+            reads.append((rows, -1 if width is None else width, False))
+        for group, index, candidates in (
+            (top_k, step.groups[2], "top_k"),
+            (nucleus, step.groups[3], "top_p"),
+            (whole, step.groups[4], "all"),
+        ):
+            if not group:
+                continue
+            rows = [processed[j] for j in group]
+            every = len(group) == len(processed)
+            sub = rules if every else rules.select(index)
+            c = filtered_candidates(
+                scores if every else scores[index],
+                sub,
+                [params[i] for i in rows],
+                candidates,
+            )
+            drawn = keyed_sample_at(c.scores, c.token_ids, keys_of(sub.rows[:, 6:9].long()))
+            tokens = c.token_ids.gather(1, drawn[:, None])[:, 0]
+            # NaN, an infinite maximum (+inf: overflow, -inf: nothing left): no distribution
+            invalid = c.scores.isnan().any(-1) | ~c.scores.amax(-1).isfinite()
+            parts += [tokens.double(), invalid.double(), c.overflow.double()]
+            width = _top_width([params[i] for i in rows], c.scores.shape[1])
+            if width is not None:
+                logp = sorted_logprobs(c.scores)
+                parts.append(
+                    _details(c.scores, logp, drawn, c.scores[:, :width], c.token_ids[:, :width],
+                             logp[:, :width])
+                )  # fmt: skip
+            reads.append((rows, -1 if width is None else width, True))
+    if parts:
+        head += torch.cat([t.flatten() for t in parts]).tolist()  # the one copy to the host
+    flat = head
+    choices = Choices([int(t) for t in flat[:num_rows]], [None] * num_rows, [None] * num_rows)
+    flags = flat[num_rows : 2 * num_rows]
+    no_distribution: set[int] = set()
+    overflow: list[int] = []
+    offset = 2 * num_rows
+    for rows, width, sampled in reads:
+        m = len(rows)
+        for i, token in zip(rows, flat[offset : offset + m], strict=True):
+            choices.token_ids[i] = int(token)
+        offset += m
+        if sampled:
+            no_distribution |= {
+                i for i, f in zip(rows, flat[offset : offset + m], strict=True) if f
+            }
+            offset += m
+            overflow += [i for i, f in zip(rows, flat[offset : offset + m], strict=True) if f]
+            offset += m
+        if width < 0:
             continue
-        try:
-            scores[i] = process_logits(logits[i], p, past_token_ids[i])
-        except (RuntimeError, ValueError, OverflowError) as e:
-            errors[i] = f"token selection failed: {e}"
-    tokens = {i: s.argmax() for i, s in scores.items() if params[i].greedy}
-    sampled = [i for i in scores if not params[i].greedy]
-    no_distribution = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
-    if sampled:
-        stacked = torch.stack([scores[i] for i in sampled])  # [m, vocab]
-        drawn = keyed_sample(
-            stacked, [seeds[i] or 0 for i in sampled], [positions[i] for i in sampled]
-        )
-        tokens |= dict(zip(sampled, drawn.unbind(), strict=True))
-        # NaN, an infinite maximum (+inf: overflow, -inf: nothing left): no distribution
-        invalid = stacked.isnan().any(-1) | ~stacked.amax(-1).isfinite()  # [m]
-        index = torch.tensor(sampled, device=logits.device)
-        no_distribution = no_distribution.index_copy(0, index, invalid)
-    parts = [logits.argmax(dim=-1).double(), bad.double(), no_distribution.double()]
-    lengths: dict[int, int] = {}
-    for i in scores:
-        parts.append(tokens[i].double().reshape(1))
-        lengths[i] = 0
-        if params[i].logprobs:
-            parts.append(detail_tensor(scores[i], tokens[i], params[i].top_n_tokens))
-            lengths[i] = parts[-1].numel()
-    flat = torch.cat(parts).tolist()  # the one copy to the host
-    choices = Choices([int(t) for t in flat[:num_rows]], [None] * num_rows, errors)
-    offset = 3 * num_rows
-    for i, size in lengths.items():
-        choices.token_ids[i] = int(flat[offset])
-        if params[i].logprobs:
-            read = flat[offset + 1 : offset + 1 + size]
-            choices.details[i] = details_of(choices.token_ids[i], read, params[i].top_n_tokens)
-        offset += 1 + size
+        size = 2 + 3 * width
+        for n, i in enumerate(rows):
+            p = params[i]
+            if p.logprobs:
+                row = flat[offset + n * size : offset + (n + 1) * size]
+                k = min(width, 4 * p.top_n_tokens if p.top_n_tokens > 0 else 0)
+                read = [*row[:2], *row[2 : 2 + k], *row[2 + width : 2 + width + k],
+                        *row[2 + 2 * width : 2 + 2 * width + k]]  # fmt: skip
+                choices.details[i] = details_of(choices.token_ids[i], read, p.top_n_tokens)
+        offset += m * size
     for i in range(num_rows):
-        if flat[num_rows + i]:
+        if flags[i]:
             choices.errors[i] = "the model produced non-finite logits for this request"
-        elif flat[2 * num_rows + i]:
+        elif i in no_distribution:
             choices.errors[i] = (
                 "token selection failed: the processed scores are not a probability distribution"
             )
         if choices.errors[i] is not None:
             choices.token_ids[i], choices.details[i] = -1, None
+    if overflow:
+        _choose_again(choices, overflow, logits, params, seeds, positions, past_token_ids)
     return choices
+
+
+def _top_width(params: Sequence[SamplingParams], num_candidates: int) -> int | None:
+    """Columns of top tokens the rows' details need (None: no row asks for details)."""
+    asking = [p for p in params if p.logprobs]
+    if not asking:
+        return None
+    return min(num_candidates, max(4 * p.top_n_tokens for p in asking))
+
+
+def _details(
+    scores: torch.Tensor,  # [m, C]
+    logp: torch.Tensor,  # [m, C]
+    chosen: torch.Tensor,  # [m] column of the chosen token
+    values: torch.Tensor,  # [m, K] top scores
+    ids: torch.Tensor,  # [m, K] their token ids
+    top_logp: torch.Tensor,  # [m, K] their logprobs
+) -> torch.Tensor:  # [m, 2 + 3K] float64, `detail_tensor`'s layout per row
+    column = chosen[:, None]
+    rank = (scores > scores.gather(1, column)).sum(-1, keepdim=True)
+    return torch.cat([logp.gather(1, column).double(), rank.double(), values.double(), ids.double(),
+                      top_logp.double()], dim=1)  # fmt: skip
+
+
+def _choose_again(
+    choices: Choices,
+    rows: list[int],
+    logits: torch.Tensor,  # the step's logits after the EOS rules
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int | None],
+    positions: Sequence[int],
+    past_token_ids: Sequence[Sequence[int]],
+) -> None:
+    """Choose `rows` again with the whole vocabulary as candidates, into `choices`."""
+    sub = logits[torch.tensor(rows, device=logits.device)]
+    again = _choose(sub, [params[i] for i in rows], [seeds[i] for i in rows],
+                    [positions[i] for i in rows], [past_token_ids[i] for i in rows],
+                    None, None, full=True)  # fmt: skip
+    for n, i in enumerate(rows):
+        choices.token_ids[i] = again.token_ids[n]
+        choices.details[i] = again.details[n]
+        choices.errors[i] = again.errors[n]
 
 
 def is_plain_greedy(params: SamplingParams) -> bool:
@@ -149,8 +288,12 @@ def greedy_choices(
         rows = [i for i, ids in enumerate(masked_ids) for _ in ids]
         cols = [t for ids in masked_ids for t in sorted(ids)]
         if rows:
+            masked = torch.tensor([rows, cols], dtype=torch.int64)
+            if logits.device.type == "cuda":
+                masked = masked.pin_memory()
+            index = masked.to(logits.device, non_blocking=True)  # the one host-to-device copy
             logits = logits.clone()
-            logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+            logits[index[0], index[1]] = float("-inf")
         values_t, index_t = logits.max(dim=-1)  # [M] each: NaN wins the max
         flat = torch.cat([index_t.double(), (values_t.isnan() | values_t.isposinf()).double()])
         host = flat.tolist()  # the one copy to the host
@@ -224,12 +367,6 @@ class Sampler:
                     for r, p, e in zip(reqs, params, emitted, strict=True)
                 ],
             )
-        logits = process_eos(
-            logits,
-            params,
-            [r.num_output_tokens + len(e) for r, e in zip(reqs, emitted, strict=True)],
-            [r.eos_token_ids for r in reqs],
-        )
         return sample_with_details(
             logits,
             params,
@@ -241,4 +378,6 @@ class Sampler:
                 else ()
                 for r, e in zip(reqs, emitted, strict=True)
             ],
+            [r.num_output_tokens + len(e) for r, e in zip(reqs, emitted, strict=True)],
+            [r.eos_token_ids for r in reqs],
         )

@@ -225,10 +225,17 @@ def levels_on_host(
     levels: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per head: [B * F, k] log-probs, ids
 ) -> list[tuple[np.ndarray, np.ndarray]]:  # the same as float32 and int64 arrays
     """The heads' top-k log-probabilities and token ids on the host: views of CPU tensors, else
-    one device-to-host copy of them all (float64 holds both exactly)."""
+    one device-to-host copy of them all into pinned memory (float64 holds both exactly)."""
     if levels[0][0].device.type == "cpu":
         return [(logprobs.float().numpy(), ids.numpy()) for logprobs, ids in levels]
-    host = torch.cat([t.flatten().double() for level in levels for t in level]).cpu().numpy()
+    flat = torch.cat([t.flatten().double() for level in levels for t in level])
+    if flat.device.type == "cuda":
+        pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        pinned.copy_(flat, non_blocking=True)
+        torch.cuda.current_stream(flat.device).synchronize()  # drafting's one read
+        host = pinned.numpy()
+    else:
+        host = flat.cpu().numpy()
     arrays = []
     offset = 0
     for logprobs, _ in levels:

@@ -156,7 +156,7 @@ class MLPProposer:
             )
         param = next(self.speculator.parameters())
         states = _stacked(inputs, param.dtype, param.device)
-        last = torch.tensor([p.token_ids[-1] for p in inputs], device=param.device)
+        last = _on_device([p.token_ids[-1] for p in inputs], param.device)
         paths, _ = self.speculator.draft_candidates(
             states,
             last,
@@ -169,6 +169,15 @@ class MLPProposer:
             DraftTree.from_paths([[t for t in path if t >= 0] for path in candidates], p.max_depth)
             for p, candidates in zip(inputs, paths.tolist(), strict=True)
         ]
+
+
+def _on_device(token_ids: list[int], device: torch.device) -> torch.Tensor:  # [B] int64
+    """Token ids on `device`: on CUDA from pinned memory, a copy that does not wait for the
+    device (a pageable one would)."""
+    host = torch.tensor(token_ids, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _stacked(

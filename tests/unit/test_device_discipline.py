@@ -128,17 +128,25 @@ _MIXED_PARAMS = [
 
 
 def test_verify_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step that walks draft trees two drafts deep for greedy, penalised, sampled and logprob
-    requests, and also runs a new prompt to its first token, reads the device once: the choices
-    at every tree node and at the prompt's last row come back in one `tolist`."""
+    """A step that walks draft trees two drafts deep for greedy, penalised, logprob and sampled
+    requests (every sampling rule, alone and combined), and also runs a new prompt to its first
+    token, reads the device once: the choices at every tree node and at the prompt's last row
+    come back in one `tolist`."""
     path: Path = require_model(model_path(MODEL))
-    sampled = SamplingParams(max_new_tokens=8, temperature=0.8, seed=7, logprobs=True)
-    prompts = {str(i): list(range(10 + i, 30)) for i in range(5)}
-    params = dict(zip(prompts, [*_MIXED_PARAMS, sampled], strict=True))
+    sampled = [
+        SamplingParams(max_new_tokens=8, temperature=0.8, seed=7, logprobs=True),
+        SamplingParams(max_new_tokens=8, temperature=0.9, seed=8, top_k=20, top_p=0.9,
+                       repetition_penalty=1.2, logprobs=True, top_n_tokens=2),
+        SamplingParams(max_new_tokens=8, temperature=1.1, seed=9, top_p=0.8, typical_p=0.9,
+                       min_new_tokens=3),
+        SamplingParams(max_new_tokens=8, temperature=0.7, seed=10, repetition_penalty=1.3),
+    ]  # fmt: skip
+    prompts = {str(i): list(range(10 + i, 30)) for i in range(8)}
+    params = dict(zip(prompts, [*_MIXED_PARAMS, *sampled], strict=True))
 
     def engine(drafter: Drafter | None) -> LLMEngine:
         runner = ModelRunner(EngineConfig(path, dtype="float32", num_kv_blocks=64))
-        engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=8), frozenset({2}), drafter)
+        engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=12), frozenset({2}), drafter)
         for request_id, prompt in prompts.items():
             engine.add_request(request_id, prompt, params[request_id])
         return engine
@@ -150,7 +158,7 @@ def test_verify_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> N
             outputs[out.request_id] += out.new_token_ids
     sequences = [prompts[request_id] + tokens for request_id, tokens in outputs.items()]
     proposer = ScriptedProposer(sequences, accept_lengths=[2], num_heads=3, n_candidates=3)
-    speculating = engine(Drafter(proposer, None, max_batch_size=8))
+    speculating = engine(Drafter(proposer, None, max_batch_size=12))
     speculating.step()  # the prompts; every request drafts a tree
     speculating.add_request("new", list(range(40, 52)), SamplingParams(max_new_tokens=8))
     reads = _count_reads(monkeypatch)

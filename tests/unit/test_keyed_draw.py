@@ -49,3 +49,15 @@ def test_draws_depend_on_seed_and_position_only() -> None:
     assert all(t % 2 == 1 for t in alone)
     keys = row_keys(seeds, positions, torch.device("cpu")).tolist()
     assert len({keys[0], keys[1], keys[2], keys[3]}) == 4
+
+
+def test_cpu_hash_equals_the_int64_hash() -> None:
+    """The CPU's uint32 hash gives the int64 tensor hash's uniforms (the one other devices run),
+    at any ids."""
+    from engine.sampling.keyed_draw import _mix, uniform_at
+
+    seeds = [0, 1, 2**32 - 1, 2**63 + 12345, 987654321987]
+    keys = row_keys(seeds, [0, 7, 2**31, 5, 99], torch.device("cpu"))
+    ids = torch.randint(0, 2**20, (len(seeds), 300), generator=torch.Generator().manual_seed(1))
+    bits = _mix(_mix(keys[:, None] ^ ids) ^ keys[:, None]) >> 9
+    assert torch.equal(uniform_at(keys, ids), (bits.float() + 0.5) / float(1 << 23))

@@ -39,7 +39,7 @@ import engine.sampling.sampler as sampler_module
 from engine.config import EngineConfig, SchedulerConfig
 from engine.core import LLMEngine
 from engine.model_runner import ModelRunner
-from engine.sampling.keyed_draw import keyed_sample
+from engine.sampling.keyed_draw import keys_of
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.loader import load_speculator
@@ -261,10 +261,10 @@ def position_blind_noise(monkeypatch: pytest.MonkeyPatch) -> None:
     """The keyed draw's noise ignores the position: every token of a request reuses one
     Gumbel vector."""
 
-    def draw(scores: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
-        return keyed_sample(scores, seeds, [0] * len(positions))
+    def blind(parts: torch.Tensor) -> torch.Tensor:  # [M, 3]: seed low, seed high, position
+        return keys_of(torch.cat([parts[:, :2], torch.zeros_like(parts[:, 2:])], dim=1))
 
-    monkeypatch.setattr(sampler_module, "keyed_sample", draw)
+    monkeypatch.setattr(sampler_module, "keys_of", blind)
 
 
 def test_exact_distribution_has_structure(exact: torch.Tensor) -> None:

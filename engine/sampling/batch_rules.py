@@ -1,0 +1,235 @@
+"""TGIS's logit rules for all of a step's rows at once (`logits_processor` states them per row).
+
+The step's per-row parameters (temperatures, top-k, top-p, typical-p, penalties, EOS rules, draw
+keys, the penalised ids) travel to the device in one copy (`StepParams`). The rules then run as
+batched tensor operations, with no read back to the host. A sampled row is filtered in its
+candidate space: with top-k, the k best tokens (and a few more, to see ties at the k-th score),
+else the whole vocabulary; the candidates are sorted descending, ties by token id, so top-p and
+typical-p see exactly the order `process_logits` sorts into, and the keyed draw's noise is
+computed at the candidates only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling.keyed_draw import key_parts
+from engine.sampling.logits_processor import (
+    MAX_SCORE,
+    _eos_factor,
+    id_order_total,
+    top_p_drop,
+    typical_drop,
+)
+from engine.sampling.params import SamplingParams
+
+NUCLEUS_CANDIDATES = 1024
+"""Candidates of a row with top-p and no top-k: a row whose nucleus reaches the last of them
+is chosen again over the whole vocabulary (`Candidates.overflow`)."""
+
+TIE_MARGIN = 8
+"""Candidates beyond the largest top-k: a row whose last candidate still ties its k-th score
+may hold more tokens than its candidates (`Candidates.overflow`)."""
+
+_NUM_COLUMNS = 11  # StepParams.rows' columns
+
+
+@dataclass
+class StepParams:
+    """One step's rule parameters on the device, from one host-to-device copy.
+
+    `rows` [R, 11] float64 for the R processed rows: logits row, temperature (1 for greedy),
+    top_k, top_p, typical_p, repetition_penalty, the three `key_parts` and the length-penalty
+    EOS mode (0 none, 1 -inf, 2 penalised) and factor; `penalised_ids` [R, L] the ids the
+    repetition penalty reaches (padded with the row's first); `eos_ids` [R, E] the row's EOS ids
+    (padded the same way)."""
+
+    rows: torch.Tensor
+    penalised_ids: torch.Tensor
+    eos_ids: torch.Tensor
+    groups: list[torch.Tensor]  # int64 index lists `build` was given, on the device
+    has_eos_rule: bool
+
+    @staticmethod
+    def build(
+        params: Sequence[SamplingParams],  # [R]
+        seeds: Sequence[int | None],  # [R]
+        positions: Sequence[int],  # [R]
+        past_token_ids: Sequence[Sequence[int]],  # [R]
+        num_generated: Sequence[int] | None,  # [R]; None: no EOS rule
+        eos_token_ids: Sequence[frozenset[int]] | None,  # [R]
+        groups: Sequence[Sequence[int]],  # index lists to carry along (e.g. row subsets)
+        device: torch.device,
+    ) -> StepParams:
+        """The parameters of R rows (row i of the step's logits is row i here) in one copy."""
+        num_rows = len(params)
+        penalised = [
+            sorted(set(past)) if p.repetition_penalty != 1.0 else []
+            for p, past in zip(params, past_token_ids, strict=True)
+        ]
+        eos: list[list[int]] = []
+        values: list[float] = []
+        for i, p in enumerate(params):
+            mode, factor, ids = 0, 1.0, []
+            if num_generated is not None and eos_token_ids is not None and eos_token_ids[i]:
+                n = num_generated[i]
+                if n < p.min_new_tokens and not p.ignore_eos:
+                    mode, ids = 1, sorted(eos_token_ids[i])
+                elif (
+                    p.length_penalty is not None
+                    and n >= p.min_new_tokens
+                    and n > p.length_penalty[0]
+                ):
+                    start, decay = p.length_penalty
+                    mode, factor, ids = 2, _eos_factor(decay, n - start), sorted(eos_token_ids[i])
+            eos.append(ids)
+            values += [
+                i, 1.0 if p.greedy else p.temperature, p.top_k, p.top_p,
+                p.typical_p, p.repetition_penalty,
+                *key_parts(seeds[i] or 0, positions[i]), mode, factor,
+            ]  # fmt: skip
+        width_l, width_e = max(map(len, penalised), default=0), max(map(len, eos), default=0)
+        for ids in penalised:
+            values += ids + [ids[0] if ids else 0] * (width_l - len(ids))
+        for ids in eos:
+            values += ids + [ids[0] if ids else 0] * (width_e - len(ids))
+        for group in groups:
+            values += group
+        host = torch.tensor(values, dtype=torch.float64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(device, non_blocking=True)  # the step's one host-to-device copy
+        sizes = [num_rows * _NUM_COLUMNS, num_rows * width_l, num_rows * width_e]
+        rows, penalised_ids, eos_ids, *group_ids = flat.split([*sizes, *map(len, groups)])
+        return StepParams(
+            rows.view(num_rows, _NUM_COLUMNS),
+            penalised_ids.view(num_rows, width_l).long(),
+            eos_ids.view(num_rows, width_e).long(),
+            [g.long() for g in group_ids],
+            any(eos),
+        )
+
+    def select(self, index: torch.Tensor) -> StepParams:
+        """The parameters of the rows at `index` (int64, on the device)."""
+        return StepParams(
+            self.rows[index],
+            self.penalised_ids[index],
+            self.eos_ids[index],
+            [],
+            self.has_eos_rule,
+        )
+
+    def column(self, i: int) -> torch.Tensor:  # [R, 1] float32
+        return self.rows[:, i : i + 1].float()
+
+
+def apply_eos_rules(logits: torch.Tensor, step: StepParams) -> torch.Tensor:
+    """`process_eos` on the step's rows [R, vocab], in place: before
+    `min_new_tokens` every EOS score is -inf; with a length penalty due, each finite EOS score s
+    becomes s + |s| * (factor - 1), in float64, clamped to +-`MAX_SCORE`."""
+    if not step.has_eos_rule:
+        return logits
+    mode, factor = step.rows[:, 9:10], step.rows[:, 10:11]
+    scores = logits.gather(1, step.eos_ids).double()
+    penalised = (scores + scores.abs() * (factor - 1)).clamp(-MAX_SCORE, MAX_SCORE)
+    penalised = torch.where(scores.isfinite(), penalised, scores)
+    new = torch.where(mode == 2, penalised, scores)
+    new = torch.where(mode == 1, -math.inf, new)
+    return logits.scatter_(1, step.eos_ids, new.to(logits.dtype))
+
+
+def penalised_scores(
+    logits: torch.Tensor,  # [M, vocab] float32
+    rows: torch.Tensor | None,  # [R] int64: the rows to process (None: all M, R = M)
+    step: StepParams,  # the R rows' parameters
+) -> torch.Tensor:  # [R, vocab] float32, a new tensor
+    """The rows' repetition penalty (clamped to +-`MAX_SCORE`), then their temperature (a
+    greedy row's is 1): each penalised score is computed from the raw one, as
+    `process_logits` does, and written over the divided scores."""
+    temperature = step.column(1)
+    scores = logits / temperature if rows is None else logits[rows].div_(temperature)
+    if step.penalised_ids.shape[1] > 0:
+        if rows is None:
+            rows = torch.arange(logits.shape[0], device=logits.device)
+        rp = step.column(5)
+        seen = logits[rows[:, None], step.penalised_ids]
+        penalised = torch.where(seen < 0, seen * rp, seen / rp).clamp(-MAX_SCORE, MAX_SCORE)
+        scores.scatter_(
+            1, step.penalised_ids, torch.where(rp != 1.0, penalised, seen) / temperature
+        )
+    return scores
+
+
+def _normalised_total(scores: torch.Tensor) -> torch.Tensor:  # [M, 1]
+    """`top_p_drop`'s normaliser of rows sorted descending when given none."""
+    return (scores - scores[:, :1]).exp().cumsum(-1)[:, -1:]
+
+
+@dataclass
+class Candidates:
+    """Sampled rows' filtered scores [m, C] sorted descending (ties by token id, -inf where
+    filtered out; in token id order when no row filters or asks for details), their token ids
+    [m, C], and `overflow` [m]: the row may keep more tokens than its candidates (ties at the
+    k-th score, or a nucleus reaching the last candidate)."""
+
+    scores: torch.Tensor
+    token_ids: torch.Tensor
+    overflow: torch.Tensor
+
+
+def filtered_candidates(
+    scores: torch.Tensor,  # [m, vocab] after temperature
+    step: StepParams,  # the m rows' parameters
+    params: Sequence[SamplingParams],  # [m]
+    candidates: str,  # "top_k" (every row has one), "top_p" (every row has it, none top-k), "all"
+) -> Candidates:
+    """Top-k, top-p and typical-p of the rows, each rule only on rows that set it, among the
+    rows' candidates: the best of their top-k (and `TIE_MARGIN` more), the best
+    `NUCLEUS_CANDIDATES`, or the whole vocabulary."""
+    full = candidates == "all"
+    vocab = scores.shape[-1]
+    if full and not any(0 < p.top_k < vocab or p.top_p < 1.0 or p.typical_p < 1.0 or p.logprobs
+                        for p in params):  # fmt: skip
+        # nothing filtered and no details: the scores as they are (the draw ignores the order)
+        ids = torch.arange(vocab, device=scores.device).expand(scores.shape[0], vocab)
+        no_overflow = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
+        return Candidates(scores, ids, no_overflow)
+    if full:
+        values, ids = scores.sort(dim=-1, descending=True, stable=True)
+    else:
+        width = NUCLEUS_CANDIDATES if candidates == "top_p" else max(p.top_k for p in params)
+        width = min(vocab, width + TIE_MARGIN)
+        values, ids = scores.topk(width, -1)
+        ids, by_id = ids.sort(-1)
+        values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, by_value)
+    overflow = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+    if any(0 < p.top_k < vocab for p in params):
+        top_k = step.rows[:, 2:3].long()
+        with_top_k = (top_k > 0) & (top_k < vocab)
+        kth = values.gather(1, (top_k - 1).clamp(0, values.shape[1] - 1))
+        kth = torch.where(with_top_k, kth, -math.inf)
+        values = values.masked_fill(values < kth, -math.inf)
+        if values.shape[1] < vocab:
+            overflow = with_top_k[:, 0] & (values[:, -1] >= kth[:, 0])
+    if any(p.top_p < 1.0 for p in params):
+        top_p = step.rows[:, 3:4]
+        no_top_k = (step.rows[:, 2:3] <= 0) | (step.rows[:, 2:3] >= vocab)  # [m, 1]
+        total = None
+        if any(not 0 < p.top_k < vocab for p in params):
+            total = id_order_total(scores)
+            if any(0 < p.top_k < vocab for p in params):
+                total = torch.where(no_top_k, total, _normalised_total(values))
+        drop = top_p_drop(values, top_p.float(), total) & (top_p < 1.0)
+        values = values.masked_fill(drop, -math.inf)
+        if candidates == "top_p" and values.shape[1] < vocab:
+            overflow = overflow | ~drop[:, -1]
+    if any(p.typical_p < 1.0 for p in params):
+        mass = step.rows[:, 4:5]
+        drop = typical_drop(values, mass.float()) & (mass < 1.0)
+        values = values.masked_fill(drop, -math.inf)
+    return Candidates(values, ids, overflow)

@@ -1,0 +1,137 @@
+"""The batched sampler against the per-row oracle (`tests/sampling_oracle.py`): every TGIS rule,
+alone and combined, mixed in one batch with greedy rows and the rows of a draft tree, gives the
+same tokens, logprobs, ranks, top tokens and errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import sample_with_details
+from tests.sampling_oracle import choices_row_by_row
+
+VOCAB = 500
+EOS = frozenset({2, 7})
+
+_SAMPLED = [
+    {"temperature": 0.7},
+    {"temperature": 1.3, "top_k": 5},
+    {"temperature": 1.0, "top_k": 1},
+    {"temperature": 0.9, "top_p": 0.8},
+    {"temperature": 1.2, "top_p": 0.3},
+    {"temperature": 1.0, "typical_p": 0.6},
+    {"temperature": 0.8, "repetition_penalty": 1.4},
+    {"temperature": 0.8, "repetition_penalty": 0.7},
+    {"temperature": 1.0, "top_k": 40, "top_p": 0.9},
+    {"temperature": 0.6, "top_k": 30, "top_p": 0.95, "typical_p": 0.8},
+    {"temperature": 1.1, "top_p": 0.9, "typical_p": 0.9, "repetition_penalty": 1.2},
+    {"temperature": 0.7, "top_k": 50, "typical_p": 0.5, "repetition_penalty": 1.3},
+    {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "typical_p": 1.0},  # rules off
+    {"temperature": 1.0, "top_k": VOCAB},  # top-k at the vocabulary: off
+]
+_GREEDY = [
+    {},
+    {"repetition_penalty": 1.5},
+    {"logprobs": True, "top_n_tokens": 3},
+    {"repetition_penalty": 0.8, "logprobs": True, "top_n_tokens": 2},
+]
+
+
+def _batch(seed: int) -> tuple[list, ...]:  # type: ignore[type-arg]
+    """Rows of every kind, each also with min_new_tokens, a length penalty, logprobs + top-n;
+    the last rows are a draft tree's nodes: one seeded request at several positions, each
+    row's past extended by the drafts on its node's path."""
+    g = torch.Generator().manual_seed(seed)
+    rows: list[tuple[SamplingParams, int, int, list[int], int]] = []
+    extras = [
+        {},
+        {"min_new_tokens": 4},
+        {"length_penalty": (1, 1.6)},
+        {"logprobs": True, "top_n_tokens": 4},
+    ]
+    for n, (kind, extra) in enumerate(itertools.product(_SAMPLED + _GREEDY, extras)):
+        params = SamplingParams(max_new_tokens=32, seed=1000 + n, **{**kind, **extra})
+        past = torch.randint(0, VOCAB, (int(torch.randint(0, 20, (1,), generator=g)),),
+                             generator=g).tolist()  # fmt: skip
+        rows.append((params, 1000 + n, 30 + n, past, n % 6))
+    tree = SamplingParams(max_new_tokens=32, seed=99, temperature=0.9, top_k=20, top_p=0.9,
+                          repetition_penalty=1.2, logprobs=True, top_n_tokens=2)  # fmt: skip
+    prompt = [5, 9, 11, 400]
+    for path in ([], [17], [17, 23], [31], [31, 44]):
+        rows.append((tree, 99, 50 + len(path), prompt + path, 3 + len(path)))
+    logits = torch.randn(len(rows), VOCAB, generator=g) * 3
+    logits[:, 7] = logits.max(-1).values  # an EOS at the top: the EOS rules decide
+    for row in (3, 16, 32, 33, 34, 35):  # ties of ten at the top (rows 32-35: top-k and top-p)
+        logits[row, 100:110] = logits[row].max() + 1
+    logits[5, 11] = float("nan")
+    logits[6, 12] = float("inf")
+    return rows, logits  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batched_rules_equal_the_per_row_rules(seed: int) -> None:
+    rows, logits = _batch(seed)
+    params, seeds, positions, past, generated = (list(c) for c in zip(*rows, strict=True))
+    eos = [EOS] * len(rows)
+    batched = sample_with_details(logits, params, seeds, positions, past, generated, eos)
+    oracle = choices_row_by_row(logits, params, seeds, positions, past, generated, eos)
+    assert batched.errors == oracle.errors
+    assert batched.token_ids == oracle.token_ids
+    assert batched.details == oracle.details
+    assert sum(e is not None for e in batched.errors) == 2
+    assert sum(d is not None for d in batched.details) > 25
+
+
+def test_top_k_ties_beyond_the_candidates() -> None:
+    """Twenty tokens tie at the 3rd score: all of them are kept, as the per-row top-k keeps
+    them (the row is chosen again over the whole vocabulary)."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+    logits[:, 200:220] = 8.0
+    logits[:, 50] = 9.0
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=s, logprobs=True, top_n_tokens=30)
+              for s in range(3)]  # fmt: skip
+    args = (logits, params, [0, 1, 2], [4, 5, 6], [[], [], []], [0, 0, 0], [EOS] * 3)
+    batched = sample_with_details(*args)
+    assert batched == choices_row_by_row(*args)
+    assert all(len(d.top_token_ids) == 21 for d in batched.details if d is not None)
+
+
+def test_unfiltered_rows_without_details() -> None:
+    """Sampled rows that filter nothing and ask for no details (drawn in token id order) with
+    plain greedy rows and EOS rules."""
+    rows, logits = _batch(4)
+    params = [
+        SamplingParams(temperature=0.5 + 0.1 * (i % 7), seed=i, min_new_tokens=2 * (i % 3),
+                       repetition_penalty=1.0 + 0.1 * (i % 4)) if i % 5 else SamplingParams()
+        for i in range(len(rows))
+    ]  # fmt: skip
+    n = len(rows)
+    past = [r[3] for r in rows]
+    args = (logits, params, list(range(n)), list(range(40, 40 + n)), past, [1] * n, [EOS] * n)
+    batched = sample_with_details(*args)
+    assert batched == choices_row_by_row(*args)
+    assert len(set(batched.token_ids)) > n // 2
+
+
+def test_nucleus_candidates_and_their_overflow() -> None:
+    """Top-p without top-k over a vocabulary wider than the nucleus candidates: peaked rows
+    (the nucleus among them) and flat rows (a nucleus beyond them, chosen again over the whole
+    vocabulary), with typical-p, penalties and details."""
+    vocab = 5000
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, vocab, generator=g) * 4  # peaked
+    logits[4:] = torch.randn(4, vocab, generator=g) * 0.05  # flat: nuclei of thousands
+    params = [
+        SamplingParams(temperature=0.8 + 0.1 * i, top_p=0.5 + 0.06 * i, seed=i,
+                       typical_p=0.9 if i % 2 else 1.0, repetition_penalty=1.2 if i % 3 else 1.0,
+                       logprobs=i % 4 == 0, top_n_tokens=3)
+        for i in range(8)
+    ]  # fmt: skip
+    past = [list(range(i, 40 * i, 7)) for i in range(8)]
+    args = (logits, params, list(range(8)), list(range(8)), past, [0] * 8, [EOS] * 8)
+    batched = sample_with_details(*args)
+    assert batched == choices_row_by_row(*args)
+    assert -1 not in batched.token_ids
