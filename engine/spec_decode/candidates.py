@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine.config import CANDIDATE_SELECTIONS
+from engine.config import SpeculativeConfig, bounds_of
 
 
 class TreeShape(NamedTuple):
@@ -200,9 +200,9 @@ def pick_candidates(
 
 
 def check_selection(selection: str) -> None:
-    """Raise ValueError unless `selection` is one of CANDIDATE_SELECTIONS."""
-    if selection not in CANDIDATE_SELECTIONS:
-        raise ValueError(f"selection must be one of {CANDIDATE_SELECTIONS}, got {selection!r}")
+    """Raise ValueError unless `selection` is a candidate selection: the rule declared on
+    `SpeculativeConfig.candidate_selection`, applied to callers that pass no config."""
+    bounds_of(SpeculativeConfig, "candidate_selection").check("selection", selection)
 
 
 def check_tree_shape(n_predict: int, top_k: Sequence[int], n_candidates: int) -> None:
