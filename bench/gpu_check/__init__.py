@@ -32,10 +32,15 @@ Sections (see docs/benchmarks.md, "GPU check"), one module each:
                host peak memory
   server       the real server (`python -m server.main`) on the device: one Generate and one
                GenerateStream over gRPC (INFO when its gRPC extras or stubs are missing)
+  quant        the Triton kernels of quantized weights (GPTQ 4-bit groups of 128, int8 W8A8)
+               at a 13B layer's products: error against the exact reference and the
+               dequantized fp16 product; 1- and 16-row layer times against fp16 `F.linear` and
+               the bytes read
 
 With `--device cpu` the Triton kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported) and the CUDA-graph step runs its static buffers eagerly, so a CPU dry
-run reaches both: the `*.triton_launches` and `*.graph_steps` checks count them.
+run reaches both: the `*.triton_launches` and `*.graph_steps` checks count them (and
+`quant.kernel_calls` the quantized products).
 
 Each figure is printed as `CHECK <name> <value> <unit> PASS|FAIL|INFO`; everything goes to
 `<out>/gpu_check_<device>[_small].json`. The exit code is 1 when any check failed.

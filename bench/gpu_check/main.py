@@ -16,19 +16,24 @@ from bench.gpu_check.environment import section_environment
 from bench.gpu_check.exactness import section_exactness
 from bench.gpu_check.kernels import section_kernels
 from bench.gpu_check.loader import LOADER_CHILD, loader_child, section_loader
+from bench.gpu_check.quant import section_quant
 from bench.gpu_check.report import REPO, Ctx, Report, SectionTimeout, deadline, free_device_memory
 from bench.gpu_check.server import SERVERS, section_server
 from bench.gpu_check.sharded import section_sharded
 from bench.gpu_check.speed import section_speed
 
-SECTIONS = ("environment", "kernels", "exactness", "speed", "sharded", "loader", "server")
+SECTIONS = (
+    "environment", "kernels", "exactness", "speed", "sharded", "loader", "server", "quant"
+)  # fmt: skip
 # Seconds per section on the GPU; the whole run must stay under 8 minutes. With a cold Triton
 # cache the compiles fall in the sections that first launch each variant: `kernels` those of
 # the 128-wide heads in fp16 and bf16 (MHA and GQA), before `speed` launches that layout;
 # `exactness` those of the tiny models' heads, once per model and dtype, since each case builds
 # one runner (whose start-up captures its graphs) and reuses it for the eager and speculative
-# runs. `sharded` runs only with two GPUs (with one it takes no time, and the budgets sum to
-# 460 s); each section's budget is capped by what is left of TOTAL_BUDGET_S.
+# runs; `quant` those of the quantized products, at 1 and 16 rows. `sharded` runs only with
+# two GPUs (with one it takes no time); each section's budget is capped by what is left of
+# TOTAL_BUDGET_S. The budgets before `quant` sum to 460 s on one GPU: `quant`, last, gets what
+# the others leave, so that it never shortens them.
 BUDGETS = {
     "environment": 20.0,
     "kernels": 40.0,
@@ -37,6 +42,7 @@ BUDGETS = {
     "sharded": 60.0,
     "loader": 50.0,
     "server": 60.0,
+    "quant": 45.0,
 }
 # The CPU dry run, with the Triton kernel in its interpreter, on a machine busy with other work.
 SMALL_BUDGETS = {
@@ -47,6 +53,7 @@ SMALL_BUDGETS = {
     "sharded": 90.0,
     "loader": 60.0,
     "server": 90.0,
+    "quant": 60.0,
 }
 TOTAL_BUDGET_S = 465.0  # the watchdog's limit: 15 s under 8 minutes
 SMALL_TOTAL_BUDGET_S = 570.0  # the CPU dry run's, under the 10 minutes its test allows
@@ -60,6 +67,7 @@ SECTION_FNS: dict[str, Callable[[Ctx], None]] = {
     "sharded": section_sharded,
     "loader": section_loader,
     "server": section_server,
+    "quant": section_quant,
 }
 
 

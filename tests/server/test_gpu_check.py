@@ -4,9 +4,9 @@ CPU could have shown. It starts the real server (its `server` section), hence th
 
 The dry run must reach the code the GPU run depends on: the Triton kernel (in Triton's
 interpreter) at the 13B head layouts, the CUDA-graph step (its static buffers, run eagerly)
-compared with eager steps of the same runner, and two tensor-parallel ranks. The sections count
-what they reached (calls of `TritonBackend.forward` and `StepGraphs.run`); those counts are
-asserted here."""
+compared with eager steps of the same runner, two tensor-parallel ranks, and the Triton kernels
+of quantized weights. The sections count what they reached (calls of `TritonBackend.forward`,
+`StepGraphs.run` and `TritonQuantLinear.__call__`); those counts are asserted here."""
 
 from __future__ import annotations
 
@@ -68,3 +68,10 @@ def test_cpu_dry_run_passes_every_section(tmp_path: Path) -> None:
     assert int(values[f"{triton_case}.graph_steps"]) > 0
     assert by_name[f"{triton_case}.graphs_vs_eager"] == "PASS"
     assert by_name["sharded.equals_one_shard"] == "PASS"
+
+    # The quantized products (small shapes in the interpreter): each against its reference.
+    quant = [n for n in by_name if n.startswith("quant.") and n.endswith(".max_error")]
+    assert len(quant) == 8 and all(by_name[n] == "PASS" for n in quant), quant
+    assert by_name["quant.kernel_calls"] == "PASS" and int(values["quant.kernel_calls"]) > 0
+    for fmt in ("fp16", "gptq4_g128", "int8_w8a8"):
+        assert f"quant.{fmt}.rows1.layer_time" in by_name, fmt
