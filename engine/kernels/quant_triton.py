@@ -125,16 +125,18 @@ def unsupported_reason(weight: QuantizedWeight, int8_activations: bool) -> str |
 
 def pack_k_major(weight: QuantizedWeight) -> torch.Tensor:
     """q int8 [out, in] -> int32 [in / PACK, out]: word [i, o] holds q[o, i * PACK + j] in bits
-    `bits * j` and up, two's complement (see the module docstring)."""
-    bits = weight.bits
-    pack = 32 // bits
-    q = weight.int_values().to(torch.int64).T  # [in, out]
-    q = q.reshape(weight.in_features // pack, pack, weight.out_features) & ((1 << bits) - 1)
-    words = torch.zeros(q.shape[0], q.shape[2], dtype=torch.int64, device=q.device)
+    `bits * j` and up, two's complement (see the module docstring). Works in int32 without
+    overflow (the top value keeps its sign, the others are masked), a few bytes per weight of
+    scratch on the weight's device."""
+    bits, pack = weight.bits, 32 // weight.bits
+    q = weight.int_values().T.reshape(weight.in_features // pack, pack, weight.out_features)
+    words = torch.zeros(q.shape[0], q.shape[2], dtype=torch.int32, device=q.device)
     for j in range(pack):
-        words |= q[:, j] << (bits * j)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32).contiguous()
+        value = q[:, j].to(torch.int32)
+        if j < pack - 1:
+            value &= (1 << bits) - 1
+        words |= value * (1 << (bits * j))
+    return words
 
 
 class TritonQuantLinear:

@@ -158,6 +158,23 @@ def test_activation_quantization_is_quantize_rows_bit_for_bit(dtype: torch.dtype
     assert xq[3].abs().max() == 0 and scales[3] == 0
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_k_major_packing_holds_each_value_in_its_bits(bits: int) -> None:
+    """Word [i, o] holds q[o, i * PACK + j] as a two's complement field at bit `bits * j`,
+    including both extremes of the range (the top field's sign bit is the word's)."""
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    weight = random_weight(bits, 32, False, False, seed=5)
+    q = weight.int_values().clone()
+    q[0], q[1] = low, high
+    weight = QuantizedWeight(bits, 32, q if bits == 8 else pack_int4(q), weight.scales, None, None)
+    words = quant_triton.pack_k_major(weight).cpu().to(torch.int64) & 0xFFFFFFFF
+    pack = 32 // bits
+    for j in range(pack):
+        field = (words >> (bits * j)) & ((1 << bits) - 1)
+        field = torch.where(field > high, field - (1 << bits), field)
+        assert torch.equal(field, q.T[j::pack].cpu().to(torch.int64)), j
+
+
 def test_unsupported_group_size_is_refused() -> None:
     weight = QuantizedWeight(
         8, 8, torch.zeros(4, 16, dtype=torch.int8), torch.ones(4, 2), None, None
