@@ -12,12 +12,10 @@ result to the output dtype: half a unit in the last place on CUDA (2**-11 relati
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import pytest
 import torch
-from triton.runtime.jit import KernelParam, compute_cache_key, create_function_from_signature
 
 from engine.kernels import quant_triton
 from engine.kernels.quant_triton import (
@@ -32,8 +30,8 @@ from engine.kernels.quant_triton_kernels import (
 )
 from engine.quant.reference import quantize_rows, reference_linear
 from engine.quant.weights import QuantizedWeight, pack_int4
-from tests.unit.test_triton_attention import DEVICE
-from tests.unit.test_triton_variants import SPECIALIZER
+from tests.unit.test_triton_attention import DEVICE, INTERPRETED
+from tests.unit.test_triton_variants import variant_key
 
 IN_FEATURES, OUT_FEATURES = 256, 80  # 80: a partial tile of 64 output columns
 ROWS = (1, 3, 16, 40)
@@ -203,26 +201,6 @@ KERNELS = {
 Launch = tuple[str, tuple[Any, ...], dict[str, Any]]
 
 
-def variant_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], honour: bool) -> str:
-    """Triton's compile-cache key of a launch (see tests/unit/test_triton_variants.py), with or
-    without the kernel's `do_not_specialize*` lists."""
-    signature = inspect.signature(kernel.fn)
-    options = getattr(kernel, "kwargs", None) or {
-        "do_not_specialize": kernel.do_not_specialize,
-        "do_not_specialize_on_alignment": kernel.do_not_specialize_on_alignment,
-    }
-    dns = (options.get("do_not_specialize") or []) if honour else []
-    dnsa = (options.get("do_not_specialize_on_alignment") or []) if honour else []
-    params = [
-        KernelParam(i, p, i in dns or p.name in dns, i in dnsa or p.name in dnsa)
-        for i, p in enumerate(signature.parameters.values())
-    ]
-    binder = create_function_from_signature(signature, params, SPECIALIZER)
-    _, specialization, launch_options = binder(*args, **kwargs)
-    key: str = compute_cache_key({}, specialization, launch_options)
-    return key
-
-
 def record(monkeypatch: pytest.MonkeyPatch, launches: list[Launch]) -> None:
     for name, kernel in KERNELS.items():
 
@@ -234,8 +212,15 @@ def record(monkeypatch: pytest.MonkeyPatch, launches: list[Launch]) -> None:
         monkeypatch.setattr(kernel, "run", recorded)
 
 
+def compiled_variants() -> int:
+    """Variants Triton has compiled of these kernels on CUDA (none in the interpreter)."""
+    if INTERPRETED:
+        return 0
+    return sum(len(c[0]) for k in KERNELS.values() for c in k.device_caches.values())
+
+
 def keys(launches: list[Launch], honour: bool = True) -> set[tuple[str, str]]:
-    return {(n, variant_key(KERNELS[n], a, k, honour)) for n, a, k in launches}
+    return {(n, variant_key(KERNELS[n], a, k, honour_lists=honour)) for n, a, k in launches}
 
 
 def test_serving_needs_no_variant_the_warm_up_did_not_make(
@@ -269,6 +254,7 @@ def test_serving_needs_no_variant_the_warm_up_did_not_make(
 
     buffer = torch.randn(max_rows + 1, 2 * IN_FEATURES + 1).to(DEVICE, torch.float16)
     serving: list[Launch] = []
+    compiled = compiled_variants()
     with monkeypatch.context() as patch:
         record(patch, serving)
         for layer in layers:
@@ -283,5 +269,6 @@ def test_serving_needs_no_variant_the_warm_up_did_not_make(
         80,
     }  # M: 1, odd, a multiple of 16
     assert keys(serving) <= warm
+    assert compiled_variants() == compiled  # on CUDA: Triton's own cache did not grow
     # Specializing every integer (M = 1, M divisible by 16) and alignment would compile anew.
     assert not keys(serving, honour=False) <= keys(warm_launches, honour=False)
