@@ -1,7 +1,7 @@
 """The per-row statement of token selection, the oracle of the batched sampler: each row on its
 own through `process_eos`, OpenAI's additive rules (`additive_rules`, stated here on their own)
-and `process_logits`, a keyed draw over the whole vocabulary, and the
-chosen token's details from the whole vocabulary."""
+and `process_logits`, a keyed draw over the whole vocabulary, and the chosen token's details
+from the whole vocabulary."""
 
 from __future__ import annotations
 

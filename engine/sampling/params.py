@@ -17,8 +17,10 @@ class SamplingParams:
     OpenAI's additive rules (`additive_penalties`) apply to both as well: `logit_bias` adds its
     bias to a token's logit; `presence_penalty` and `frequency_penalty` subtract
     presence_penalty * [count > 0] + frequency_penalty * count, where count is how often the
-    token occurs among the generated tokens (the prompt is not counted). `logit_bias` is read
-    only: it is copied on construction."""
+    token occurs among the generated tokens (the prompt is not counted). They apply after the
+    EOS rules and before the repetition penalty, which scales the adjusted logits. `logit_bias`
+    is copied on construction and read only; its ids must be in the model's vocabulary
+    (`check_token_ids`, which the engine calls when it queues a request)."""
 
     max_new_tokens: int = 64
     min_new_tokens: int = 0
