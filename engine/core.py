@@ -107,7 +107,9 @@ class LLMEngine:
         `prompt_prefix` (prompt tuning), its embeddings come before `prompt_token_ids` and count
         toward the request's length; they must have the model's hidden size (else ValueError;
         other dtypes and devices are converted), and a request with a prefix cannot ask for
-        `prompt_logprobs` (ValueError)."""
+        `prompt_logprobs` (ValueError). A `logit_bias` id outside the model's vocabulary is a
+        ValueError too."""
+        params.check_token_ids(self.runner.config.vocab_size)
         if prompt_prefix is not None:
             prompt_prefix = self._model_prefix(prompt_prefix, params)
         if not params.greedy and params.seed is None:

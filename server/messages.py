@@ -70,6 +70,11 @@ def clip(text: str, max_bytes: int = MAX_QUOTED_BYTES) -> str:
     return data[:max_bytes].decode("utf-8", "ignore") + "…"
 
 
+def decoding_method_error(method: int) -> ValidationError:
+    """A `method` number DecodingMethod does not define (proto3 keeps any number on the wire)."""
+    return ValidationError(f"method ({method}) must be GREEDY (0) or SAMPLE (1)")
+
+
 def top_n_tokens_error(top_n_tokens: int) -> ValidationError:
     """``top_n_tokens (N) must be <= 10`` (vllm-tgis-adapter)."""
     return ValidationError(f"top_n_tokens ({top_n_tokens}) must be <= {MAX_TOP_N_TOKENS}")

@@ -5,16 +5,21 @@ An id resolves inside the store as TGIS's `prompt_cache.py` does: a PEFT prompt-
 `<id>/` (`adapter_model.safetensors`, else `adapter_model.bin`, holding `prompt_embeddings`),
 else `<id>/decoder.pt`, else `<id>.pt` (a [virtual tokens, hidden] tensor saved by torch.save).
 Ids may contain letters, digits, `_`, `-` and `/` only, and must stay inside the store (no
-absolute paths). A loaded prefix is checked (2-D, 1 to `max_length` rows, the model's hidden
-size, finite in the model's dtype), converted to the model's dtype and device, and keyed by a
-hash of its content for the engine's prefix caching.
+absolute paths). Symbolic links are followed only while they stay inside the store: a file
+whose real path is outside it, or that is not a regular file (a FIFO, a device, a directory),
+is refused with the message of an unknown id. A loaded prefix is checked (2-D, 1 to
+`max_length` rows, the model's hidden size, finite in the model's dtype), converted to the
+model's dtype and device, and keyed by a hash of its content for the engine's prefix caching.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -23,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file as load_safetensors
+from safetensors.torch import load as load_safetensors
 
 from engine.request import PromptPrefix
 from server.messages import ValidationError, prefix_lookup_error, prefix_not_found_reason
@@ -55,7 +60,7 @@ class PrefixStore:
         on_load: Callable[[float], None] = lambda seconds: None,
         on_failure: Callable[[], None] = lambda: None,
     ) -> None:
-        self.root = None if root is None else Path(os.path.abspath(root))
+        self.root = None if root is None else Path(os.path.realpath(root))
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.device = device
@@ -129,6 +134,9 @@ class PrefixStore:
             raise prefix_lookup_error(prefix_id, f"Invalid prefix id {prefix_id}")
         try:
             data = self._read(folder)
+        except _OutsideStore as e:
+            logger.warning("prompt prefix %s refused: %s", prefix_id, e)
+            raise prefix_lookup_error(prefix_id, prefix_not_found_reason(prefix_id)) from e
         except Exception as e:  # any unreadable file: its details stay in the server's log
             logger.warning("prompt prefix %s could not be read: %s", prefix_id, e)
             raise prefix_lookup_error(prefix_id, "Invalid prefix embedding tensor") from e
@@ -142,20 +150,50 @@ class PrefixStore:
     def _read(self, folder: Path) -> Any:
         """The tensor (or other object) the store holds for `folder`, None when none."""
         for name in _PEFT_FILES:
-            path = folder / name
-            if _is_file(path):
+            content = self._content(folder / name)
+            if content is not None:
                 state = (
-                    load_safetensors(path, device="cpu")
+                    load_safetensors(content)
                     if name.endswith(".safetensors")
-                    else torch.load(path, map_location="cpu", weights_only=True)
+                    else torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
                 )
                 if not isinstance(state, dict) or "prompt_embeddings" not in state:
                     raise ValueError(f"{name} holds no prompt_embeddings")
                 return state["prompt_embeddings"]
         for path in (folder / "decoder.pt", folder.with_name(folder.name + ".pt")):
-            if _is_file(path):
-                return torch.load(path, map_location="cpu", weights_only=True)
+            content = self._content(path)
+            if content is not None:
+                return torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
         return None
+
+    def _content(self, path: Path) -> bytes | None:
+        """The bytes of the store's file at `path`; None when nothing is there. Raises
+        `_OutsideStore` when its real path (every link followed) leaves the store or it is not
+        a regular file: it is opened without following a last link and without waiting for a
+        writer, and checked once open."""
+        if not os.path.lexists(path):  # False too for a name the system refuses (too long, say)
+            return None
+        assert self.root is not None
+        real = os.path.realpath(path)
+        if not real.startswith(str(self.root) + os.sep):
+            raise _OutsideStore(f"{path} resolves to {real}, outside the store {self.root}")
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(real, flags)
+        except (FileNotFoundError, NotADirectoryError) as e:  # a broken link
+            raise _OutsideStore(f"{path} leads to no file: {e}") from e
+        except OSError as e:
+            if e.errno != errno.ELOOP:  # ELOOP: a link put in after the path was resolved
+                raise
+            raise _OutsideStore(f"{path} changed into a link: {e}") from e
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _OutsideStore(f"{path} is not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
 
     def _check(self, prefix: Any) -> torch.Tensor:
         """`prefix` in the model's dtype; ValueError with TGIS's message when it is not a
@@ -180,12 +218,8 @@ class PrefixStore:
         return converted
 
 
-def _is_file(path: Path) -> bool:
-    """Whether `path` is a file; False for a name the file system refuses (too long, say)."""
-    try:
-        return path.is_file()
-    except OSError:
-        return False
+class _OutsideStore(Exception):
+    """A store path that leads outside the store or to something other than a regular file."""
 
 
 def _cache_bytes(t: torch.Tensor) -> int:

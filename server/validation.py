@@ -22,7 +22,9 @@ Beyond TGIS, so that no request can harm another (docs/deployment.md, "Request l
 - an input text is at most `Limits.max_input_bytes` UTF-8 bytes (`check_input_size`);
 - user text quoted in a message (prefix ids, tokenizer errors) is cut by `clip`;
 - a field this server's proto does not define (a newer client's, such as vllm-tgis-adapter's
-  adapter_id or guided decoding) fails the request, naming it (`server.proto_fields`).
+  adapter_id or guided decoding) fails the request, naming it (`server.proto_fields`);
+- a `method` number DecodingMethod does not define fails the request, instead of running as
+  GREEDY (`messages.decoding_method_error`).
 
 The messages themselves and `ValidationError` are in `server.messages`.
 """
@@ -257,10 +259,12 @@ def request_parameters(
 ) -> DecodingParams:
     """Convert and check a generation request's `params` (steps 1 of the module docstring).
 
-    Fields unknown to this server's proto fail first (`check_known_fields`); then, for a
-    SingleGenerationRequest without `request`, ``missing request``.
+    Fields unknown to this server's proto fail first (`check_known_fields`), then an unknown
+    `method` number; then, for a SingleGenerationRequest without `request`, ``missing request``.
     """
     check_known_fields(request)
+    if request.HasField("params") and request.params.method not in pb.DecodingMethod.values():
+        raise msg.decoding_method_error(request.params.method)
     if isinstance(request, pb.SingleGenerationRequest) and not request.HasField("request"):
         raise msg.ValidationError(msg.MISSING_REQUEST_MSG)
     params = convert_parameters(request.params if request.HasField("params") else None)

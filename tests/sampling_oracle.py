@@ -1,6 +1,7 @@
 """The per-row statement of token selection, the oracle of the batched sampler: each row on its
-own through `process_eos` and `process_logits`, a keyed draw over the whole vocabulary, and the
-chosen token's details from the whole vocabulary."""
+own through `process_eos`, OpenAI's additive rules (`additive_rules`, stated here on their own)
+and `process_logits`, a keyed draw over the whole vocabulary, and the chosen token's details
+from the whole vocabulary."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ def choices_row_by_row(
     past_token_ids: Sequence[Sequence[int]],
     num_generated: Sequence[int],
     eos_token_ids: Sequence[frozenset[int]],
+    generated_token_ids: Sequence[Sequence[int]] | None = None,
 ) -> Choices:
     """`sample_with_details`, one row at a time."""
     logits = process_eos(logits, params, num_generated, eos_token_ids)
     choices = Choices([], [], [])
     for i, p in enumerate(params):
         row = logits[i]
+        if generated_token_ids is not None:
+            row = additive_rules(row, p, generated_token_ids[i])
         if bool(row.isnan().any() | row.isposinf().any()):
             choices.token_ids.append(-1)
             choices.details.append(None)
@@ -57,3 +61,25 @@ def choices_row_by_row(
         choices.details.append(details_of(token, flat, p.top_n_tokens) if p.logprobs else None)
         choices.errors.append(None)
     return choices
+
+
+def additive_rules(
+    row: torch.Tensor,  # [vocab]
+    p: SamplingParams,
+    generated_token_ids: Sequence[int],
+) -> torch.Tensor:  # [vocab], a new tensor
+    """OpenAI's rules on one row: token t's logit gains its `logit_bias` and loses
+    frequency_penalty * count(t) + presence_penalty * (count(t) > 0), count(t) being its number
+    of occurrences among the generated tokens; the amount is a float64 sum (bias, then
+    frequency, then presence) rounded to the row's dtype before it is added."""
+    row = row.clone()
+    bias = p.logit_bias or {}
+    counts: dict[int, int] = {}
+    if p.presence_penalty != 0 or p.frequency_penalty != 0:
+        for t in generated_token_ids:
+            counts[t] = counts.get(t, 0) + 1
+    for t in set(bias) | set(counts):
+        count = counts.get(t, 0)
+        delta = bias.get(t, 0.0) - p.frequency_penalty * count - p.presence_penalty * (count > 0)
+        row[t] = row[t] + torch.tensor(delta, dtype=torch.float64).to(row.dtype)
+    return row

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from engine.request import Request
+from engine.sampling.additive_penalties import apply_additive_penalties
 from engine.sampling.batch_rules import (
     StepParams,
     apply_eos_rules,
@@ -55,19 +56,22 @@ def sample_with_details(
     past_token_ids: Sequence[Sequence[int]],  # [M]: prompt + output ids, for repetition_penalty
     num_generated: Sequence[int] | None = None,  # [M]: for the EOS rules (None: no EOS rule)
     eos_token_ids: Sequence[frozenset[int]] | None = None,  # [M]
+    generated_token_ids: Sequence[Sequence[int]] | None = None,  # [M]: None: no additive rule
 ) -> Choices:
     """One token per row, plus its details for rows whose params ask for `logprobs`: every
-    rule of `logits_processor` (`process_eos` when `num_generated` is given, `process_logits`)
-    applied to all rows at once (`batch_rules`). A row fails alone, with an error and token -1,
-    when its logits hold NaN or +inf or its scores are no longer a distribution; the other rows
-    are unaffected.
+    rule of `logits_processor` (`process_eos` when `num_generated` is given, then the
+    `additive_penalties` when `generated_token_ids` is given, then `process_logits`) applied
+    to all rows at once (`batch_rules`). A row fails alone, with an error and token -1, when
+    its logits hold NaN or +inf or its scores are no longer a distribution; the other rows are
+    unaffected.
 
     A sampled row's token is the keyed draw of its processed scores, so it depends on the seed
     and the position only. The batch costs one host-to-device copy (the rows' parameters) and
     one device-to-host copy (tokens, flags and details), unless a row's top-k ties beyond its
     candidates: such rows are chosen again over the whole vocabulary."""
     return _choose(logits, params, seeds, positions, past_token_ids, num_generated,
-                   eos_token_ids, full=False)  # fmt: skip
+                   eos_token_ids, full=False,
+                   generated_token_ids=generated_token_ids)  # fmt: skip
 
 
 def _choose(
@@ -79,6 +83,7 @@ def _choose(
     num_generated: Sequence[int] | None,
     eos_token_ids: Sequence[frozenset[int]] | None,
     full: bool,
+    generated_token_ids: Sequence[Sequence[int]] | None = None,
 ) -> Choices:
     """`sample_with_details`; `full`: every sampled row's candidates are the whole vocabulary."""
     num_rows, vocab = len(params), logits.shape[-1]
@@ -104,6 +109,8 @@ def _choose(
                             eos_token_ids, groups, logits.device)  # fmt: skip
     if step.has_eos_rule:
         logits = apply_eos_rules(logits.clone(), step)
+    if generated_token_ids is not None:
+        logits = apply_additive_penalties(logits, params, generated_token_ids)
     parts: list[torch.Tensor] = []
     if logits.device.type == "cpu":  # numpy's argmax: no wake-up of the intra-op thread pool
         raw = logits.numpy()
@@ -230,7 +237,7 @@ def _details(
 def _choose_again(
     choices: Choices,
     rows: list[int],
-    logits: torch.Tensor,  # the step's logits after the EOS rules
+    logits: torch.Tensor,  # the step's logits after the EOS and additive rules
     params: Sequence[SamplingParams],
     seeds: Sequence[int | None],
     positions: Sequence[int],
@@ -250,12 +257,13 @@ def _choose_again(
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Whether a row's token is the argmax of its raw logits, EOS masked before
     `min_new_tokens` and nothing else applied: greedy, no repetition or length penalty, no
-    logprobs (`greedy_choices` serves such rows)."""
+    additive rule, no logprobs (`greedy_choices` serves such rows)."""
     return (
         params.greedy
         and params.repetition_penalty == 1.0
         and params.length_penalty is None
         and not params.logprobs
+        and not params.has_additive_rules
     )
 
 
@@ -380,4 +388,8 @@ class Sampler:
             ],
             [r.num_output_tokens + len(e) for r, e in zip(reqs, emitted, strict=True)],
             [r.eos_token_ids for r in reqs],
+            [
+                [*r.output_token_ids, *e] if p.has_additive_rules else ()
+                for r, p, e in zip(reqs, params, emitted, strict=True)
+            ],
         )

@@ -310,6 +310,19 @@ def test_missing_request() -> None:
     assert info.value.message == "missing request"
 
 
+def test_unknown_decoding_method() -> None:
+    """A method number DecodingMethod does not define fails, whatever else the request holds;
+    GREEDY and SAMPLE pass."""
+    for method in (2, 5, -1):
+        request = pb.BatchedGenerationRequest(params=pb.Parameters(method=method))
+        with pytest.raises(ValidationError) as info:
+            request_parameters(request, LIMITS)
+        assert info.value.message == f"method ({method}) must be GREEDY (0) or SAMPLE (1)"
+    for method in (pb.GREEDY, pb.SAMPLE):
+        request = pb.BatchedGenerationRequest(params=pb.Parameters(method=method))
+        assert request_parameters(request, LIMITS).greedy == (method == pb.GREEDY)
+
+
 def test_check_order() -> None:
     """With several problems, the first in TGIS's order is reported."""
     sample = {"method": "SAMPLE", "sampling": {"temperature": 0.01, "topP": 2.0, "typicalP": 2.0}}
