@@ -331,7 +331,8 @@ class ServerConfig:
         "Folder of prompt-tuning prefixes, TGIS's prompt store: a request's prefix_id names "
         "<id>/decoder.pt or <id>.pt (a [virtual tokens, hidden] tensor) or a PEFT "
         "prompt-tuning folder <id>/ (adapter_model.safetensors or .bin); ids use letters, "
-        "digits, _, - and / and stay inside the store. The embeddings go before the "
+        "digits, _, - and / and stay inside the store (links are followed only inside "
+        "it, and only regular files are read). The embeddings go before the "
         "prompt's and count toward the input length (at most half of MAX_SEQUENCE_LENGTH "
         "virtual tokens).",
         TEXT,
