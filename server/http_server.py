@@ -20,8 +20,8 @@ from typing import Any
 
 import h11
 import uvicorn
+from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.types import ASGIApplication
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class HttpServer:
     finish for up to `grace_s` seconds, then cancels them; it may be called unstarted."""
 
     def __init__(
-        self, host: str, port: int, app: ASGIApplication, limits: HttpLimits | None = None
+        self, host: str, port: int, app: ASGIApp, limits: HttpLimits | None = None
     ) -> None:
         limits = limits or HttpLimits()
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

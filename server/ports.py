@@ -6,7 +6,7 @@ import errno
 import socket
 
 import grpc
-from uvicorn.types import ASGIApplication
+from starlette.types import ASGIApp
 
 from server.http_server import HttpLimits, HttpServer
 
@@ -51,7 +51,7 @@ def add_grpc_port(
     return bound
 
 
-def bind_http(port: int, app: ASGIApplication, limits: HttpLimits) -> HttpServer:
+def bind_http(port: int, app: ASGIApp, limits: HttpLimits) -> HttpServer:
     """The HTTP server of `app` bound to `port` (not serving yet); StartupError naming PORT."""
     try:
         return HttpServer("0.0.0.0", port, app, limits)

@@ -32,6 +32,11 @@ _UNHEALTHY = b'{"error":"unhealthy"}'
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 
 
+DRAIN_FACTOR = 16
+"""A body beyond the limit is still read (and dropped) up to this many times the limit, so
+that its client reads the 413 instead of a reset connection; a larger one is cut off."""
+
+
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The body, refused with 415 unless JSON and 413 beyond `max_bytes`."""
     content_type = request.headers.get("content-type", "")
@@ -39,13 +44,18 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         raise ApiError(415, "the body must be JSON (Content-Type: application/json)", err=None)
     declared = request.headers.get("content-length")
     too_large = ApiError(413, f"the body is larger than {max_bytes} bytes", err=None)
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    if declared is not None and declared.isdigit() and int(declared) > DRAIN_FACTOR * max_bytes:
         raise too_large
     body = bytearray()
+    size = 0
     async for part in request.stream():
-        body += part
-        if len(body) > max_bytes:
+        size += len(part)
+        if size > DRAIN_FACTOR * max_bytes:
             raise too_large
+        if size <= max_bytes:
+            body += part
+    if size > max_bytes:
+        raise too_large
     return bytes(body)
 
 
