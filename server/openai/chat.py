@@ -131,19 +131,24 @@ async def _events(
     head: dict[str, Any],
     texts: TokenTexts,
     include_usage: bool,
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[list[dict[str, Any]]]:
     head = {**head, "object": "chat.completion.chunk"}
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
-    for i in range(len(gen.jobs)):
-        role = {"role": "assistant", "content": ""}
-        yield {**head, "choices": [_delta(i, role, None, None)], **extra}
+    role = {"role": "assistant", "content": ""}
+    yield [
+        {**head, "choices": [_delta(i, role, None, None)], **extra} for i in range(len(gen.jobs))
+    ]
     counts = [0] * len(gen.jobs)
-    async for i, chunk in gen.chunks():
-        counts[i] = chunk.generated_token_count
-        if not (chunk.text or chunk.tokens or chunk.finished):
-            continue
-        delta = {"content": chunk.text} if chunk.text else {}
-        lp = {"content": _logprobs(chunk.tokens, texts)} if req.logprobs else None
-        yield {**head, "choices": [_delta(i, delta, chunk, lp)], **extra}
+    async for batch in gen.batches():
+        events = []
+        for i, chunk in batch:
+            counts[i] = chunk.generated_token_count
+            if not (chunk.text or chunk.tokens or chunk.finished):
+                continue
+            delta = {"content": chunk.text} if chunk.text else {}
+            lp = {"content": _logprobs(chunk.tokens, texts)} if req.logprobs else None
+            events.append({**head, "choices": [_delta(i, delta, chunk, lp)], **extra})
+        if events:
+            yield events
     if include_usage:
-        yield {**head, "choices": [], "usage": usage(gen.inputs, req.n, counts)}
+        yield [{**head, "choices": [], "usage": usage(gen.inputs, req.n, counts)}]

@@ -135,20 +135,24 @@ async def _events(
     head: dict[str, Any],
     texts: TokenTexts,
     include_usage: bool,
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[list[dict[str, Any]]]:
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
     pending = [req.echo] * len(gen.jobs)
     logprobs = [_Logprobs(texts) for _ in gen.jobs]
     counts = [0] * len(gen.jobs)
-    async for i, chunk in gen.chunks():
-        counts[i] = chunk.generated_token_count
-        echo = None
-        if pending[i]:
-            pending[i] = False
-            echo = _echo(gen, i, req, texts)
-        if not (chunk.text or chunk.tokens or chunk.finished or echo):
-            continue
-        choice = _choice(i, [chunk], chunk, texts, req, echo, logprobs[i])
-        yield {**head, "choices": [choice], **extra}
+    async for batch in gen.batches():
+        events = []
+        for i, chunk in batch:
+            counts[i] = chunk.generated_token_count
+            echo = None
+            if pending[i]:
+                pending[i] = False
+                echo = _echo(gen, i, req, texts)
+            if not (chunk.text or chunk.tokens or chunk.finished or echo):
+                continue
+            choice = _choice(i, [chunk], chunk, texts, req, echo, logprobs[i])
+            events.append({**head, "choices": [choice], **extra})
+        if events:
+            yield events
     if include_usage:
-        yield {**head, "choices": [], "usage": usage(gen.inputs, req.n, counts)}
+        yield [{**head, "choices": [], "usage": usage(gen.inputs, req.n, counts)}]

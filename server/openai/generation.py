@@ -174,22 +174,23 @@ class Generation:
             self.succeeded(i, chunks[-1])
         return results
 
-    async def chunks(self) -> AsyncIterator[tuple[int, OutputChunk]]:
-        """(choice index, chunk) as the choices produce them, interleaved; counts each finished
-        choice. Raises ApiError on a failure."""
+    async def batches(self) -> AsyncIterator[list[tuple[int, OutputChunk]]]:
+        """(choice index, chunk) pairs as the choices produce them, interleaved, in groups of
+        what was ready together; counts each finished choice. Raises ApiError on a failure."""
         try:
-            async for index, chunk in _merged(self.jobs):
-                if chunk.finished:
-                    self.succeeded(index, chunk)
-                yield index, chunk
+            async for batch in _merged(self.jobs):
+                for index, chunk in batch:
+                    if chunk.finished:
+                        self.succeeded(index, chunk)
+                yield batch
         except Exception as e:
             raise self.fail(e) from None
 
 
-async def _merged(jobs: Sequence[Job]) -> AsyncIterator[tuple[int, OutputChunk]]:
+async def _merged(jobs: Sequence[Job]) -> AsyncIterator[list[tuple[int, OutputChunk]]]:
     if len(jobs) == 1:
-        async for chunk in jobs[0].chunks():
-            yield 0, chunk
+        async for chunks in jobs[0].chunk_batches():
+            yield [(0, chunk) for chunk in chunks]
         return
     queue: asyncio.Queue[tuple[int, OutputChunk | BaseException | None]]
     queue = asyncio.Queue(MERGE_BUFFER)
@@ -206,13 +207,19 @@ async def _merged(jobs: Sequence[Job]) -> AsyncIterator[tuple[int, OutputChunk]]
     try:
         running = len(jobs)
         while running:
-            index, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            batch = []
+            for index, item in items:
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    batch.append((index, item))
+            if batch:
+                yield batch
     finally:
         for task in tasks:
             task.cancel()

@@ -82,12 +82,13 @@ DONE = b"data: [DONE]\n\n"
 
 
 class EventStream(StreamingResponse):
-    """A ``text/event-stream`` of `events`, then ``data: [DONE]``. An ApiError raised while
+    """A ``text/event-stream`` of `events` (each group of events written at once), then
+    ``data: [DONE]``. An ApiError raised while
     streaming is sent as one ``data: {"error": ...}`` event before the end. `generation` is
     closed however the response ends, a client gone mid-stream included (its jobs are
     cancelled, freeing their KV blocks)."""
 
-    def __init__(self, events: AsyncIterator[dict[str, Any]], generation: Generation) -> None:
+    def __init__(self, events: AsyncIterator[list[dict[str, Any]]], generation: Generation) -> None:
         super().__init__(
             self._encode(events),
             media_type="text/event-stream",
@@ -96,10 +97,10 @@ class EventStream(StreamingResponse):
         self.generation = generation
 
     @staticmethod
-    async def _encode(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async def _encode(events: AsyncIterator[list[dict[str, Any]]]) -> AsyncIterator[bytes]:
         try:
-            async for event in events:
-                yield sse(event)
+            async for group in events:
+                yield b"".join(sse(event) for event in group)
         except ApiError as e:
             yield b"data: " + e.response().body + b"\n\n"
         yield DONE
