@@ -125,7 +125,7 @@ def _api_routes(api: ApiContext, metrics: ServerMetrics, max_body_bytes: int) ->
                     req = schema.model_validate_json(body)
                 except pydantic.ValidationError as e:
                     raise from_pydantic(e) from None
-                if req.model != api.model_id:
+                if not api.serves(req.model):
                     raise ApiError(
                         404,
                         f"The model '{req.model[:256]}' does not exist; this server serves "
