@@ -121,6 +121,8 @@ class HttpServer:
             ws="none",
         )
         self._server = uvicorn.Server(self._config)
+        # A malformed request is answered 400 and needs no log line each (a flood would flood).
+        logging.getLogger("uvicorn.error").setLevel(logging.ERROR)
         self._main: asyncio.Task[Any] | None = None
 
     @property

@@ -59,8 +59,12 @@ class Sampling:
         return replace(self.params, seed=choice_seed(self.params.seed, index))
 
     def engine_params(self, params: DecodingParams) -> SamplingParams:
-        """The engine's parameters of one prepared input."""
-        return replace(convert.sampling_params(params), **self.extras)
+        """The engine's parameters of one prepared input (ValidationError for values the
+        engine's own checks refuse)."""
+        try:
+            return replace(convert.sampling_params(params), **self.extras)
+        except ValueError as e:
+            raise ValidationError(str(e)) from e
 
 
 def _in_range(name: str, value: float, low: float, high: float) -> float:

@@ -13,10 +13,13 @@ import statistics
 import time
 from collections.abc import Iterator
 
+import grpc
 import openai
 import pytest
 
 from engine.paths import model_path
+from server.pb import generation_pb2 as pb
+from server.pb import generation_pb2_grpc
 from tests.reference import require_model
 from tests.server.openai_helpers import async_client, client
 from tools.server_process import ServerProcess
@@ -99,6 +102,66 @@ def test_500_streams_beyond_the_limit_get_429_and_the_rest_complete(
     assert set(counts) <= {"ok", "429", "503"}, counts
     assert counts.get("ok", 0) >= MAX_CONCURRENT and counts.get("429", 0) > 0, counts
     assert server.health() == 200
+
+
+def test_grpc_and_http_share_max_concurrent_requests(server: ServerProcess) -> None:
+    """gRPC streams holding every permit leave none for an HTTP request, and the reverse."""
+    params = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=400, min_new_tokens=400))
+
+    async def scenario() -> tuple[str, grpc.StatusCode | None]:
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            calls = [
+                stub.GenerateStream(
+                    pb.SingleGenerationRequest(
+                        request=pb.GenerationRequest(text=CHAT_PROMPTS[i % 20]), params=params
+                    ),
+                    timeout=120,
+                )
+                for i in range(MAX_CONCURRENT)
+            ]
+            for call in calls:
+                await call.read()  # admitted: its first message came
+            oai = async_client(server)
+            try:
+                await oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+                http = "ok"
+            except openai.RateLimitError:
+                http = "429"
+            for call in calls:
+                call.cancel()
+            await asyncio.sleep(0.5)
+            streams = await asyncio.gather(
+                *(
+                    oai.completions.create(
+                        model=MODEL,
+                        prompt="Hi",
+                        max_tokens=400,
+                        stream=True,
+                        extra_body={"min_tokens": 400},
+                    )
+                    for _ in range(MAX_CONCURRENT)
+                )
+            )
+            for stream in streams:
+                await stream.__anext__()
+            one = pb.BatchedGenerationRequest(
+                requests=[pb.GenerationRequest(text="Hi")],
+                params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=1)),
+            )
+            code = None
+            try:
+                await stub.Generate(one, timeout=60)
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+            for stream in streams:
+                await stream.close()
+            await oai.close()
+            return http, code
+
+    http, code = asyncio.run(scenario())
+    assert http == "429"
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def _stalled_stream(port: int) -> socket.socket:
