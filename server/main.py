@@ -298,9 +298,10 @@ async def _serve_with(
         http = bind_http(config.port, app, http_limits)
         if credentials is not None:
             logger.info(
-                "gRPC TLS enabled%s; HTTP on PORT (/health, /metrics, /v1) stays plaintext",
+                "gRPC TLS enabled%s",
                 ": client certificates required (mTLS)" if config.tls_client_ca_cert_path else "",
             )
+            logger.info("HTTP on PORT (/health, /metrics, /v1) stays plaintext")
         await server.start()
         started = True
         logger.info("gRPC server started on port %d", grpc_port)
