@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible API as pydantic models, parsed strictly from JSON
 (a string where a number belongs is refused, not coerced). Fields OpenAI defines that this
-server does not know are ignored, as OpenAI-compatible servers (vLLM) do; the fields listed in
-`UNSUPPORTED` change the output, so a request that sets them is refused instead. TGIS's own
-knobs (top_k, typical_p, repetition_penalty, min_tokens) are accepted as the extra fields vLLM
-accepts for them."""
+server does not know are ignored, as OpenAI-compatible servers (vLLM) do; the ones parsed
+here that this server does not implement (`suffix`, `best_of`, `tools`, a non-text
+`response_format`) would change the output, so the endpoints refuse a request setting them.
+TGIS's own knobs (top_k, typical_p, repetition_penalty, min_tokens) are accepted as the extra
+fields vLLM accepts for them."""
 
 from __future__ import annotations
 
@@ -82,12 +83,3 @@ class ChatCompletionRequest(_Generation):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
-
-
-UNSUPPORTED = {
-    "suffix": "suffix (insertion) is not supported",
-    "best_of": "best_of is not supported; use n",
-    "tools": "tools (function calling) are not supported",
-}
-"""Fields that would change the output and that this server does not implement: refused with
-400 when set (`response_format` only when its type is not "text")."""
