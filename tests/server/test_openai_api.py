@@ -254,8 +254,10 @@ def test_penalties_and_logit_bias(oai: openai.OpenAI, tokenizer: Any) -> None:
         logit_bias={str(favoured): 100},
         logprobs=0,
     )
-    ids = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(biased.choices[0].text))
-    assert ids and set(ids) == {favoured}
+    lp = biased.choices[0].logprobs
+    assert lp is not None and lp.tokens
+    favoured_text = tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(favoured)])
+    assert set(lp.tokens) == {favoured_text}  # +100 outweighs every other logit
     penalised = oai.completions.create(
         model=MODEL, prompt=prompt, temperature=0, max_tokens=12, frequency_penalty=2.0
     )
