@@ -114,6 +114,10 @@ bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/
 	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q -c constraints.txt 'matplotlib>=3.8'
 	$(PY) -m bench.bench_serving $(if $(SPECULATOR),--speculator $(SPECULATOR))
 
+.PHONY: bench-openai
+bench-openai: models gen-proto ## 32 streaming clients through the OpenAI-compatible HTTP API vs through gRPC, aggregate tokens/s (SmolLM2 fp32)
+	$(PY) -m bench.bench_openai
+
 .PHONY: bench-spec-onoff
 bench-spec-onoff: models ## Speculation on vs off in one engine, alternating 2.5 s windows, 1/4/16/32 clients (SPECULATOR=PATH, default: make speculator's; TEMPERATURE=0.7 TOP_P=0.9: sampled clients)
 	$(PY) -m bench.spec_onoff --speculator $(or $(SPECULATOR),$(DEFAULT_SPECULATOR)) \

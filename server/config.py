@@ -156,8 +156,9 @@ class ServerConfig:
     )
     max_concurrent_requests: int = setting(
         512,
-        "gRPC admission limit, one permit per input (Generate and Tokenize); beyond it "
-        "RESOURCE_EXHAUSTED, Model is overloaded.",
+        "Admission limit across the gRPC and HTTP APIs, one permit per input (Generate and "
+        "Tokenize) or choice (HTTP); beyond it RESOURCE_EXHAUSTED (HTTP: 429), Model is "
+        "overloaded.",
         INTEGER,
         bounds=Bounds(low=1),
     )
@@ -198,10 +199,41 @@ class ServerConfig:
     )
     port: int = setting(
         3000,
-        "HTTP port for /health and /metrics, bound on 0.0.0.0.",
+        "HTTP port for /health, /metrics and the OpenAI-compatible API (/v1/...), bound on "
+        "0.0.0.0; plaintext.",
         INTEGER,
         flags=("-p",),
         bounds=PORT,
+    )
+    http_header_timeout_s: float = setting(
+        10.0,
+        "Seconds an HTTP connection gets to send a whole request head (from its opening, or "
+        "from its previous response); slower ones are closed.",
+        NUMBER,
+        env=("HTTP_HEADER_TIMEOUT_SECONDS",),
+        bounds=Bounds(low=0.1),
+    )
+    http_body_timeout_s: float = setting(
+        30.0,
+        "Seconds an HTTP request gets to send its whole body after its head; slower ones "
+        "are closed.",
+        NUMBER,
+        env=("HTTP_BODY_TIMEOUT_SECONDS",),
+        bounds=Bounds(low=0.1),
+    )
+    http_max_connections: int = setting(
+        1024,
+        "Most open HTTP connections; a connection beyond them is closed at once.",
+        INTEGER,
+        bounds=Bounds(low=1),
+    )
+    http_max_body_bytes: int = setting(
+        4 * 1024 * 1024,
+        "Largest HTTP request body (bytes), as gRPC's default receive limit; a larger one "
+        "gets 413.",
+        INTEGER,
+        bounds=Bounds(low=1024),
+        default_help="4 MiB",
     )
     output_special_tokens: bool = setting(
         False, "Keep special tokens in output text (a final EOS is still dropped).", SWITCH

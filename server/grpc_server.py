@@ -9,10 +9,12 @@ Three layers, each protobuf-free except the servicer:
   split into `OutputChunk`s.
 - `server.input_preparer.InputPreparer` tokenizes, validates and truncates each input and looks
   up its prompt prefix.
-- `GenerationServicer` is the thin RPC layer: admission (MAX_CONCURRENT_REQUESTS), request
-  validation, and `server.convert` for every message; `server.job.Job` is one engine
-  request seen from the event loop, and `server.status.handle_errors` maps exceptions to
-  status codes.
+- `server.request_runner.RequestRunner` is the path both APIs share: admission
+  (MAX_CONCURRENT_REQUESTS, counted across gRPC and HTTP), the tokenization pool, engine jobs,
+  success metrics and sequence spans.
+- `GenerationServicer` is the thin RPC layer: request validation and `server.convert` for every
+  message; `server.job.Job` is one engine request seen from the event loop, and
+  `server.status.handle_errors` maps exceptions to status codes.
 
 No request can harm another: tokenization (Generate and Tokenize) runs on a thread pool, not on
 the event loop; Tokenize takes admission permits like Generate; every response message is at
@@ -26,132 +28,63 @@ span per RPC and per generated sequence.
 from __future__ import annotations
 
 import asyncio
-import functools
-import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import grpc
 from opentelemetry.trace import Span
-from transformers import PreTrainedTokenizerBase
 
 from server import convert
 from server.config import DEFAULT_MAX_RESPONSE_BYTES
 from server.convert import OutputChunk
-from server.engine_worker import EngineWorker, Submission
-from server.errors import Overloaded, SizeBound, TokenizerFailure
-from server.input_preparer import InputPreparer, PreparedInput
-from server.job import Job, deliver
+from server.errors import SizeBound, TokenizerFailure
+from server.input_preparer import PreparedInput
+from server.job import Job
 from server.messages import clip
-from server.metrics import ServerMetrics
-from server.output_tracker import OutputTracker
 from server.pb import generation_pb2 as pb
 from server.pb import generation_pb2_grpc
-from server.prefix_store import PrefixStore
 from server.proto_fields import check_known_fields
+from server.request_runner import RequestRunner
 from server.status import handle_errors
-from server.tracing import RequestTracer, SequenceRecord, rpc_span
-from server.validation import (
-    Limits,
-    check_input_size,
-    request_parameters,
-)
+from server.tracing import rpc_span
+from server.validation import check_input_size, request_parameters
 
 T = TypeVar("T")
 
-OVERLOADED_MSG = "Model is overloaded"
-
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    """The RPC handlers. Runs on one event loop; `worker` runs the engine; tokenization runs on
-    a pool of `tokenization_workers` threads (default: min(8, CPUs)); `close()` stops it. With a
-    `tracer`, each RPC and each generated sequence gets a span (`server.tracing`). A request's
-    `prefix_id` is looked up in `prefixes` on the same pool (without a store, every id is not
+    """The RPC handlers over `runner` (admission, tokenization pool, engine jobs, metrics and
+    spans, shared with the HTTP API). With a tracer, each RPC gets a span. A request's
+    `prefix_id` is looked up by the runner's input preparer (without a store, every id is not
     found, a `tgi_prompt_load_failure`); its virtual tokens count toward the input length."""
 
     def __init__(
-        self,
-        worker: EngineWorker,
-        tokenizer: PreTrainedTokenizerBase,
-        limits: Limits,
-        metrics: ServerMetrics,
-        max_concurrent_requests: int,
-        default_include_stop_seqs: bool = True,
-        output_special_tokens: bool = False,
-        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-        tokenization_workers: int | None = None,
-        tracer: RequestTracer | None = None,
-        prefixes: PrefixStore | None = None,
+        self, runner: RequestRunner, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     ) -> None:
-        self.worker = worker
-        self.tracer = tracer
-        self.tokenizer = tokenizer
-        self.limits = limits
-        self.metrics = metrics
-        self.max_concurrent_requests = max_concurrent_requests
-        self.default_include_stop_seqs = default_include_stop_seqs
-        self.skip_special_tokens = not output_special_tokens
+        self.runner = runner
+        self.worker = runner.worker
+        self.tracer = runner.tracer
+        self.tokenizer = runner.tokenizer
+        self.limits = runner.limits
+        self.metrics = runner.metrics
         self.max_response_bytes = max_response_bytes
-        workers = tokenization_workers or min(8, os.cpu_count() or 1)
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
-        self._in_flight = 0
-        self._inputs = InputPreparer(tokenizer, limits, metrics, prefixes)
+        self._inputs = runner.inputs
 
     def close(self) -> None:
         """Stop the tokenization threads (work already queued is dropped)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.runner.close()
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the tokenization pool."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await self.runner.off_loop(fn, *args)
 
-    @contextmanager
-    def _admit(self, n: int) -> Iterator[None]:
-        if self._in_flight + n > self.max_concurrent_requests:
-            raise Overloaded(OVERLOADED_MSG)
-        self._in_flight += n
-        try:
-            yield
-        finally:
-            self._in_flight -= n
-
-    def _tracker(self, inp: PreparedInput) -> OutputTracker:
-        include = inp.params.include_stop_sequence
-        return OutputTracker(
-            self.tokenizer,
-            inp.prompt_token_ids,
-            inp.params,
-            self.default_include_stop_seqs if include is None else include,
-            self.skip_special_tokens,
-        )
+    def _admit(self, n: int) -> AbstractContextManager[None]:
+        return self.runner.admit(n)
 
     def _start(self, inputs: Sequence[PreparedInput], arrival: float) -> list[Job]:
-        loop = asyncio.get_running_loop()
-        jobs = [Job(self.worker, self._tracker(inp), arrival) for inp in inputs]
-        submissions = []
-        for job, inp in zip(jobs, inputs, strict=True):
-            limit_ms = inp.params.time_limit_millis
-            time_limit = None
-            if limit_ms:
-                time_limit = max(0.0, limit_ms / 1000 - (time.monotonic() - arrival))
-            sink = functools.partial(deliver, loop, job.queue)
-            params = convert.sampling_params(inp.params)
-            submissions.append(
-                Submission(
-                    job.request_id,
-                    inp.prompt_token_ids,
-                    params,
-                    time_limit,
-                    sink,
-                    job.timing,
-                    inp.prompt_prefix,
-                )
-            )
-        self.worker.submit(submissions)
-        return jobs
+        return self.runner.start(inputs, arrival)
 
     def _record_success(
         self,
@@ -162,39 +95,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         span: Span,
         index: int = 0,
     ) -> None:
-        """Count a completed input: success, token counts, end-to-end duration and, once the
-        engine ran it, inference duration (first step to now) and its time per token; with a
-        tracer, write its `sequence` span under the RPC's `span`."""
-        m = self.metrics
-        stop_reason = pb.StopReason.Name(last.stop_reason)
-        m.request_success.labels(stop_reason, kind).inc()
-        m.request_generated_tokens.observe(last.generated_token_count)
-        m.request_total_tokens.observe(inp.input_token_count + last.generated_token_count)
-        now = time.monotonic()
-        m.request_duration.observe(now - job.timing.arrival)
-        started = job.timing.started
-        if started is not None:
-            inference = now - started
-            m.request_inference_duration.observe(inference)
-            if last.generated_token_count:
-                m.request_mean_time_per_token_duration.observe(
-                    inference / last.generated_token_count
-                )
-        if self.tracer is not None:
-            record = SequenceRecord(
-                index=index,
-                input_tokens=inp.input_token_count,
-                generated_tokens=last.generated_token_count,
-                max_new_tokens=inp.params.max_new_tokens,
-                stop_reason=stop_reason,
-                decoding_method="greedy" if inp.params.greedy else "sample",
-                seed=inp.params.seed or 0,
-                arrival=job.timing.arrival,
-                started=started,
-                first_token=job.timing.first_token,
-                end=now,
-            )
-            self.tracer.sequence(span, record)
+        self.runner.record_success(kind, inp, last, job, span, index)
 
     @handle_errors("batch")
     async def Generate(

@@ -90,6 +90,17 @@ class InputPreparer:
             ids = list(self.tokenizer(text)["input_ids"])
         except Exception as e:
             raise tokenizer_error(str(e)) from e
+        return self.prepare_tokens(text, ids, params, prefix)
+
+    def prepare_tokens(
+        self,
+        text: str,
+        ids: list[int],
+        params: DecodingParams,
+        prefix: PromptPrefix | None = None,
+    ) -> PreparedInput:
+        """`prepare` for an input already tokenized into `ids` (special tokens included), whose
+        text is `text`."""
         self.metrics.request_raw_input_length.observe(len(ids))
         prefix_length = 0 if prefix is None else prefix.num_tokens
         validated = validate_input(params, len(ids), self.limits, prefix_length)

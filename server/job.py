@@ -46,6 +46,26 @@ class Job:
             for chunk in self.tracker.add(item):
                 yield chunk
 
+    async def chunk_batches(self) -> AsyncIterator[list[OutputChunk]]:
+        """The chunks of `chunks`, grouped: each group holds what the engine had delivered by
+        the time it was taken, so a consumer that falls behind catches up in fewer, larger
+        writes."""
+        while not self.tracker.finished:
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            batch: list[OutputChunk] = []
+            for item in items:
+                if isinstance(item, BaseException):
+                    self._done = True
+                    raise item
+                if item.finished:
+                    self._done = True
+                batch.extend(self.tracker.add(item))
+                if self.tracker.finished:
+                    break
+            yield batch
+
     async def collect(self) -> list[OutputChunk]:
         return [chunk async for chunk in self.chunks()]
 

@@ -2,6 +2,9 @@
 
 Startup order (TGIS's): load the model, check it answers (a one-token generation), start gRPC
 and log ``gRPC server started on port N``, then HTTP and ``HTTP server started on port M``.
+Both serve on one event loop: gRPC's `fmaas.GenerationService` and the HTTP port's
+OpenAI-compatible API (`server.openai`) share one `RequestRunner`, so MAX_CONCURRENT_REQUESTS
+counts the requests of both.
 The gRPC port serves TLS (or mTLS) when configured, the standard `grpc.health.v1.Health`
 service (SERVING once the model answered, NOT_SERVING from the start of a shutdown) and server
 reflection. SIGTERM/SIGINT: stop accepting RPCs, give in-flight ones `shutdown_grace_s` to finish,
@@ -40,13 +43,16 @@ from server.config import ServerConfig
 from server.decode_guard import RequestDecodeGuard
 from server.engine_worker import EngineWorker
 from server.grpc_server import GenerationServicer
-from server.http_server import HttpServer
+from server.http_server import HttpLimits, HttpServer
 from server.logs import setup_logging, write_termination_log
 from server.metrics import ServerMetrics
 from server.model_files import model_path, resolved_max_sequence_length, with_resolved_models
+from server.openai.app import build_app
+from server.openai.context import ApiContext
 from server.pb import generation_pb2, generation_pb2_grpc
 from server.ports import add_grpc_port, bind_http, check_port_free
 from server.prefix_store import PrefixStore
+from server.request_runner import RequestRunner
 from server.tls import server_credentials
 from server.tracing import start_tracing
 from server.validation import Limits
@@ -151,6 +157,7 @@ def prefix_store(
 
 async def serve(config: ServerConfig) -> None:
     """Run the server until SIGTERM or SIGINT."""
+    model_id = config.model_name
     config = resolve_models(config)
     credentials = server_credentials(config)
     check_port_free(config.grpc_port, "gRPC", "GRPC_PORT")
@@ -196,7 +203,9 @@ async def serve(config: ServerConfig) -> None:
     worker = EngineWorker(engine, metrics)
     worker.start()
     try:
-        await _serve_with(config, worker, tokenizer, metrics, credentials, max_seq_len, stop)
+        await _serve_with(
+            config, model_id, worker, tokenizer, metrics, credentials, max_seq_len, stop
+        )
     finally:
         worker.stop(timeout=10.0)
         engine.close()
@@ -229,6 +238,7 @@ class _Stop:
 
 async def _serve_with(
     config: ServerConfig,
+    model_id: str,
     worker: EngineWorker,
     tokenizer: PreTrainedTokenizerBase,
     metrics: ServerMetrics,
@@ -238,7 +248,7 @@ async def _serve_with(
 ) -> None:
     """`serve` once the engine thread runs: probe it, bind both ports, serve until a signal
     (draining requests) or a failure (at once, raising RuntimeError), and stop what started (in
-    reverse order) however this ends."""
+    reverse order) however this ends. The HTTP API serves the model as `model_id`."""
     probe_prompt = list(tokenizer("liveness")["input_ids"]) or [0]
     loop = asyncio.get_running_loop()
     if not await loop.run_in_executor(None, worker.probe, probe_prompt, _HEALTH_PROBE_TIMEOUT_S):
@@ -253,7 +263,7 @@ async def _serve_with(
     if config.otlp_endpoint:
         tracer = start_tracing(config.otlp_endpoint, config.otlp_service_name)
         logger.info("tracing: OTLP spans to %s", config.otlp_endpoint)
-    servicer = GenerationServicer(
+    runner = RequestRunner(
         worker,
         tokenizer,
         Limits(max_seq_len, config.effective_max_new_tokens(max_seq_len)),
@@ -261,9 +271,14 @@ async def _serve_with(
         config.max_concurrent_requests,
         default_include_stop_seqs=config.default_include_stop_seqs,
         output_special_tokens=config.output_special_tokens,
-        max_response_bytes=config.max_response_bytes,
         tracer=tracer,
         prefixes=prefix_store(config, worker.engine.runner, metrics, max_seq_len),
+    )
+    servicer = GenerationServicer(runner, config.max_response_bytes)
+    api = ApiContext(runner, model_id, int(worker.engine.runner.config.vocab_size))
+    app = build_app(health, metrics, api, config.http_max_body_bytes)
+    http_limits = HttpLimits(
+        config.http_header_timeout_s, config.http_body_timeout_s, config.http_max_connections
     )
     server = grpc.aio.server(
         interceptors=[RequestDecodeGuard()], options=[("grpc.so_reuseport", 0)]
@@ -280,16 +295,17 @@ async def _serve_with(
     started = False
     try:
         grpc_port = add_grpc_port(server, config.grpc_port, credentials)
-        http = bind_http(config.port, health, metrics)
+        http = bind_http(config.port, app, http_limits)
         if credentials is not None:
             logger.info(
                 "gRPC TLS enabled%s",
                 ": client certificates required (mTLS)" if config.tls_client_ca_cert_path else "",
             )
+            logger.info("HTTP on PORT (/health, /metrics, /v1) stays plaintext")
         await server.start()
         started = True
         logger.info("gRPC server started on port %d", grpc_port)
-        http.start()
+        await http.start()
         logger.info("HTTP server started on port %d", http.port)
 
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -298,13 +314,14 @@ async def _serve_with(
         stop.check()
         logger.info("shutting down: up to %.1f s for in-flight requests", config.shutdown_grace_s)
         await health_servicer.enter_graceful_shutdown()
-        await server.stop(config.shutdown_grace_s)
+        grace = config.shutdown_grace_s
+        await asyncio.gather(server.stop(grace), http.stop(grace))
         await _settle(_SETTLE_TIMEOUT_S)
     finally:
         if started:
             await server.stop(None)  # at once; a no-op after the graceful stop
         if http is not None:
-            http.stop()
+            await http.stop()
         servicer.close()
         if tracer is not None:
             tracer.shutdown()

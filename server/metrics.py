@@ -63,7 +63,13 @@ class ServerMetrics:
     def __init__(self, max_sequence_length: int, max_new_tokens: int, max_batch_size: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.request_count = Counter("tgi_request_count", "Generate calls", ["kind"], registry=r)
+        self.request_count = Counter(
+            "tgi_request_count",
+            "Generation requests: Generate (single, batch), GenerateStream (stream) and the "
+            "HTTP API's (openai_completions, openai_chat, each with _stream when streamed)",
+            ["kind"],
+            registry=r,
+        )
         self.request_input_count = Counter("tgi_request_input_count", "Generate inputs", registry=r)
         self.request_failure = Counter(
             "tgi_request_failure", "Failed requests by cause", ["err"], registry=r
@@ -107,7 +113,14 @@ class ServerMetrics:
             "Running requests preempted (KV blocks freed, recomputed later) for lack of KV blocks",
             registry=r,
         )
+        self.http_request_count = Counter(
+            "tgi_http_request_count",
+            "Requests of the OpenAI-compatible HTTP API, by route and response status",
+            ["route", "status"],
+            registry=r,
+        )
         counters = [
+            self.http_request_count,
             self.request_count,
             self.request_input_count,
             self.request_failure,

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import Callable
 
 import grpc
+from starlette.types import ASGIApp
 
-from server.http_server import HttpServer
-from server.metrics import ServerMetrics
+from server.http_server import HttpLimits, HttpServer
 
 
 class StartupError(RuntimeError):
@@ -52,10 +51,10 @@ def add_grpc_port(
     return bound
 
 
-def bind_http(port: int, health: Callable[[], bool], metrics: ServerMetrics) -> HttpServer:
-    """The HTTP server bound to `port` (not serving yet); StartupError naming PORT."""
+def bind_http(port: int, app: ASGIApp, limits: HttpLimits) -> HttpServer:
+    """The HTTP server of `app` bound to `port` (not serving yet); StartupError naming PORT."""
     try:
-        return HttpServer("0.0.0.0", port, health, metrics)
+        return HttpServer("0.0.0.0", port, app, limits)
     except OSError as e:
         if e.errno != errno.EADDRINUSE:
             raise StartupError(f"HTTP port {port} (PORT) cannot be bound: {e}") from None

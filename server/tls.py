@@ -3,7 +3,9 @@
 The pairing rules (both cert and key or neither; a client CA only with the pair) are checked by
 `ServerConfig`; this module reads the PEM files and checks them before the model loads, so a bad
 path or a key that does not match its certificate stops start-up with a message naming the file
-instead of failing every handshake later. HTTP (/health, /metrics) stays plaintext, as in TGIS.
+instead of failing every handshake later. HTTP (/health, /metrics, the OpenAI-compatible API)
+stays plaintext, as in TGIS: probes reach /health over plain HTTP without client certificates
+(docs/deployment.md, "TLS and mTLS").
 """
 
 from __future__ import annotations

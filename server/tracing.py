@@ -1,7 +1,9 @@
 """OpenTelemetry traces of requests (TGIS's OTLP_ENDPOINT / OTLP_SERVICE_NAME settings).
 
 Each RPC gets a SERVER span named after its gRPC method (``fmaas.GenerationService/Generate``),
-child of the W3C trace context the client sent in its metadata (``traceparent``), if any. Each
+child of the W3C trace context the client sent in its metadata (``traceparent``), if any; each
+request of the OpenAI-compatible HTTP API one named after its route
+(``POST /v1/chat/completions``), child of its ``traceparent`` header. Each
 generated sequence of a Generate or GenerateStream call gets a child span ``sequence``, written
 once it completes, that starts at the request's arrival and carries:
 
@@ -71,17 +73,30 @@ class RequestTracer:
         """A span around one RPC of `fmaas.GenerationService` (not made current: handlers run
         as async generators too). An exception leaving the block marks it ERROR, and is recorded
         unless it is a cancellation."""
+        attributes = {
+            "rpc.system": "grpc",
+            "rpc.service": "fmaas.GenerationService",
+            "rpc.method": method,
+        }
+        with self._server_span(f"fmaas.GenerationService/{method}", attributes, metadata) as span:
+            yield span
+
+    @contextlib.contextmanager
+    def http(self, route: str, headers: Metadata | None) -> Iterator[Span]:
+        """A span around one ``POST`` to `route` of the HTTP API, as `rpc` for an RPC (the
+        client's ``traceparent`` header is its parent)."""
+        attributes = {"http.request.method": "POST", "http.route": route}
+        with self._server_span(f"POST {route}", attributes, headers) as span:
+            yield span
+
+    @contextlib.contextmanager
+    def _server_span(
+        self, name: str, attributes: dict[str, str], metadata: Metadata | None
+    ) -> Iterator[Span]:
         carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
         parent = propagate.extract(carrier)
         span = self.tracer.start_span(
-            f"fmaas.GenerationService/{method}",
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={
-                "rpc.system": "grpc",
-                "rpc.service": "fmaas.GenerationService",
-                "rpc.method": method,
-            },
+            name, context=parent, kind=SpanKind.SERVER, attributes=attributes
         )
         if "x-correlation-id" in carrier:
             span.set_attribute("correlation_id", carrier["x-correlation-id"])
@@ -146,6 +161,16 @@ class RequestTracer:
             )
             done.start()
             done.join(timeout_s)
+
+
+@contextlib.contextmanager
+def http_span(tracer: RequestTracer | None, route: str, headers: Metadata | None) -> Iterator[Span]:
+    """`tracer.http(...)`, or the non-recording INVALID_SPAN without a tracer."""
+    if tracer is None:
+        yield trace.INVALID_SPAN
+        return
+    with tracer.http(route, headers) as span:
+        yield span
 
 
 @contextlib.contextmanager

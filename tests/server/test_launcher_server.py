@@ -15,6 +15,7 @@ import shutil
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -258,6 +259,37 @@ def test_spans_reach_the_otlp_collector(server: Server) -> None:
         assert [e.name for e in seq.events] == ["scheduled", "first_token"]
         assert seq.start_time_unix_nano <= rpc.end_time_unix_nano
         assert rpc.start_time_unix_nano <= seq.end_time_unix_nano <= rpc.end_time_unix_nano
+
+
+def test_http_api_spans_reach_the_otlp_collector(server: Server) -> None:
+    """A request of the OpenAI-compatible API gets a span of its route, child of its
+    traceparent header, with one sequence span per choice (the HTTP port stays plaintext)."""
+    base = server.process.http_url
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as reply:
+        (model,) = json.loads(reply.read())["data"]
+    trace_id = "0af7651916cd43dd8448eb211c80319d"
+    body = {"model": model["id"], "prompt": "Hello", "max_tokens": 3, "n": 2, "seed": 1}
+    request = urllib.request.Request(
+        f"{base}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "traceparent": f"00-{trace_id}-b7ad6b7169203331-01",
+        },
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert len(json.loads(reply.read())["choices"]) == 2
+    spans = server.collector.wait_for({"POST /v1/completions"})
+    (http,) = [s for s in spans if s.trace_id.hex() == trace_id and s.name.startswith("POST")]
+    assert http.name == "POST /v1/completions" and http.parent_span_id.hex() == "b7ad6b7169203331"
+    assert http.kind == trace_pb2.Span.SPAN_KIND_SERVER
+    deadline = time.monotonic() + 10
+    while True:
+        children = [s for _, s in server.collector.spans if s.parent_span_id == http.span_id]
+        if len(children) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert sorted(c.name for c in children) == ["sequence", "sequence"]
 
 
 def invalid_argument(call: Any) -> str:

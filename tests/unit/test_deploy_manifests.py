@@ -5,6 +5,7 @@ and the schema checks `make lint` runs catch a misspelled field (real validators
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import re
 import subprocess
@@ -28,6 +29,7 @@ from server.cli import (
 from server.config import ServerConfig
 from server.http_server import HttpServer
 from server.metrics import ServerMetrics
+from server.openai.app import build_app
 from server.setting import declared
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -257,17 +259,27 @@ def test_probe_and_metrics_paths_are_the_servers_routes() -> None:
     paths = {"/metrics"}
     for _, _, container in _pod_containers():
         paths |= {container[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe")}
-    http = HttpServer("127.0.0.1", 0, lambda: True, ServerMetrics(4096, 1024, 32))
-    http.start()
-    try:
-        base = f"http://127.0.0.1:{http.port}"
-        for path in sorted(paths):
-            with urllib.request.urlopen(base + path, timeout=5) as reply:
-                assert reply.status == 200, path
-        with pytest.raises(urllib.error.HTTPError):  # the check can fail
-            urllib.request.urlopen(base + "/healthz", timeout=5)
-    finally:
-        http.stop()
+    app = build_app(lambda: True, ServerMetrics(4096, 1024, 32))
+
+    async def probe() -> None:
+        http = HttpServer("127.0.0.1", 0, app)
+        await http.start()
+        try:
+            base = f"http://127.0.0.1:{http.port}"
+            for path in sorted(paths):
+                status = await asyncio.to_thread(_get_status, base + path)
+                assert status == 200, path
+            with pytest.raises(urllib.error.HTTPError):  # the check can fail
+                await asyncio.to_thread(_get_status, base + "/healthz")
+        finally:
+            await http.stop()
+
+    asyncio.run(probe())
+
+
+def _get_status(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return int(reply.status)
 
 
 def _misspelled(doc: dict[str, Any], path: tuple[str, ...], wrong: str) -> dict[str, Any]:
