@@ -10,7 +10,6 @@ seed itself, so a seeded request with n = 1 draws as the same request over gRPC 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, replace
@@ -29,8 +28,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
 _U64 = 2**64
-
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -89,9 +86,6 @@ def _extras(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> 
                 )
             bias[int(key)] = _in_range("logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         extras["logit_bias"] = bias
-    for name in extras:
-        if name not in _ENGINE_FIELDS:
-            raise bad_request(f"{name} is not supported by this server", name)
     return extras
 
 
