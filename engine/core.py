@@ -17,6 +17,7 @@ from engine.batch import StepBatch, build_batch, count_prefill_tokens
 from engine.config import SchedulerConfig
 from engine.device import use_device
 from engine.hooks import TokenObserver
+from engine.host_copy import read_values
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelOutput, ModelRunner
 from engine.outputs import EngineOutput, EngineStepOutput, RequestEvent, StepStats
@@ -24,12 +25,16 @@ from engine.outputs import RequestEventType as Event
 from engine.request import PromptPrefix, Request
 from engine.sampling.params import SamplingParams, draw_seed
 from engine.sampling.prompt_logprobs import PromptLogprobs
-from engine.sampling.sampler import Choices, Sampler, TokenLogprobs
+from engine.sampling.sampler import Choices, PendingChoices, Sampler, TokenLogprobs
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
-from engine.spec_decode.drafter import Drafter, DraftingView
+from engine.spec_decode.drafter import Drafter, DraftingView, PendingDrafts
 from engine.spec_decode.policy import Method
 from engine.spec_decode.tree import DraftTree
-from engine.spec_decode.verifier import accepted_slot_moves
+from engine.spec_decode.verifier import (
+    Verification,
+    accepted_slot_moves,
+    last_choices_on_device,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +45,9 @@ class _Results:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     draft_depths: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    drafts: PendingDrafts | None = None  # drafted on the device for the next step
+    draft_values: list[float] | None = None  # `drafts.values` read on the host
+    last_choices: dict[str, int] = field(default_factory=dict)  # where each request's walk ended
 
 
 class LLMEngine:
@@ -175,6 +183,7 @@ class LLMEngine:
         outputs = [EngineOutput(r.request_id, [], r.status) for r in sched.finished_requests]
         num_prefill_tokens = count_prefill_tokens(sched)
         hidden_states: dict[str, torch.Tensor] = {}
+        results = _Results()
         if sched.scheduled_requests:
             results = self._execute(sched, hidden_states)
             now = time.monotonic()
@@ -198,7 +207,10 @@ class LLMEngine:
                 num_trees = len(sched.scheduled_draft_trees)
                 seconds = time.perf_counter() - start
                 self.drafter.observe_step(sched.total_num_scheduled_tokens, seconds, num_trees)
-            trees = self._propose(hidden_states)
+            if results.drafts is not None:
+                trees = self._finish_drafts(results)
+            elif not self.drafter.drafts_on_device:
+                trees = self._propose(hidden_states)
             self.scheduler.update_draft_trees(trees)
         stats = self._stats(sched, outputs, trees, num_prefill_tokens, num_hits)
         return EngineStepOutput(outputs, stats, events)
@@ -237,14 +249,57 @@ class LLMEngine:
             num_blocks=self.kv.num_blocks,
         )
 
+    def _drafting_view(self) -> DraftingView:
+        s = self.scheduler
+        return DraftingView(s.running, s.max_model_len, s.config.max_num_batched_tokens)
+
     def _propose(self, hidden_states: dict[str, torch.Tensor]) -> dict[str, DraftTree]:
         """The drafter's trees; none this step when drafting fails (the requests go on without
         speculation)."""
         assert self.drafter is not None
-        s = self.scheduler
-        view = DraftingView(s.running, s.max_model_len, s.config.max_num_batched_tokens)
         try:
-            return self.drafter.propose(view, hidden_states)
+            return self.drafter.propose(self._drafting_view(), hidden_states)
+        except (RuntimeError, ValueError) as e:
+            logger.warning("drafting failed, this step decodes without drafts: %s", e)
+            return {}
+
+    def _launch_drafts(
+        self, sched: SchedulerOutput, out: ModelOutput, batch: StepBatch, pending: PendingChoices
+    ) -> PendingDrafts | None:
+        """Before the step's read: the next step's trees drafted on the device from where each
+        drafting request's walk ends (`Drafter.plan`), or None (no drafts, or drafting
+        failed)."""
+        assert self.drafter is not None and pending.token_ids is not None
+        walks: dict[str, int | Verification] = {req.request_id: i for req, i in batch.sampling}
+        walks.update((v.request.request_id, v) for v in batch.verifying)
+        gaining = [r for r in sched.scheduled_requests if r.request_id in walks]
+        num_plain_rows = sum(
+            r.num_tokens - r.num_computed_tokens - sched.num_scheduled_tokens.get(r.request_id, 0)
+            for r in self.scheduler.running
+            if r.request_id not in walks
+        )
+        try:
+            chosen = self.drafter.plan(self._drafting_view(), gaining, num_plain_rows)
+            if not chosen:
+                return None
+            last, rows = last_choices_on_device(
+                [walks[req.request_id] for req, _ in chosen], batch.choice_rows, pending.token_ids
+            )
+            return self.drafter.launch(
+                chosen, out.hidden_states[rows], pending.token_ids[last], last
+            )
+        except (RuntimeError, ValueError) as e:
+            logger.warning("drafting failed, this step decodes without drafts: %s", e)
+            return None
+
+    def _finish_drafts(self, results: _Results) -> dict[str, DraftTree]:
+        """The trees `_launch_drafts` drafted, for the requests that still draft."""
+        assert self.drafter is not None and results.drafts is not None
+        assert results.draft_values is not None
+        try:
+            return self.drafter.finish(
+                self._drafting_view(), results.drafts, results.draft_values, results.last_choices
+            )
         except (RuntimeError, ValueError) as e:
             logger.warning("drafting failed, this step decodes without drafts: %s", e)
             return {}
@@ -280,12 +335,22 @@ class LLMEngine:
                 self.prompt_logprobs.record(req, rows, positions)
             except (RuntimeError, ValueError) as e:
                 results.errors[req.request_id] = str(e)
-        choices = self._choose(out, batch)
+        pending = self._choose(out, batch)
+        if pending is not None and self.drafter is not None and self.drafter.drafts_on_device:
+            results.drafts = self._launch_drafts(sched, out, batch, pending)
+        drafted = None if results.drafts is None else results.drafts.values
+        values, results.draft_values = read_values(
+            [None if pending is None else pending.values, drafted]
+        )  # the step's one read of the device
+        choices = Choices([], [], [])
+        if pending is not None:
+            choices = pending.finish([] if values is None else values)
         for req, i in batch.sampling:
             error, detail = choices.errors[i], choices.details[i]
             if error is not None:
                 results.errors.setdefault(req.request_id, error)
                 continue
+            results.last_choices[req.request_id] = i
             results.token_ids[req.request_id] = [choices.token_ids[i]]
             if detail is not None:
                 results.logprobs[req.request_id] = [detail]
@@ -300,6 +365,7 @@ class LLMEngine:
             if v.request.sampling_params.logprobs:
                 results.logprobs[request_id] = [d for d in v.details if d is not None]
             results.draft_depths[request_id] = v.tree.depth
+            results.last_choices[request_id] = v.first_choice + v.node
             hidden_states[request_id] = out.hidden_states[v.last_row]
             if self.drafter is not None:
                 self.drafter.observe_tree(v.tree, v.token_ids, Method.of(v.request.sampling_params))
@@ -307,13 +373,13 @@ class LLMEngine:
         self.runner.copy_slots(*accepted_slot_moves(batch.verifying, self.kv))
         return results
 
-    def _choose(self, out: ModelOutput, batch: StepBatch) -> Choices:
-        """One token (or an error) for each of the batch's choice rows, in one sampler call: one
-        device-to-host copy for the whole step."""
+    def _choose(self, out: ModelOutput, batch: StepBatch) -> PendingChoices | None:
+        """One token (or an error) for each of the batch's choice rows, in one sampler call,
+        up to the step's read (None: no choice rows)."""
         if not batch.choice_rows:
-            return Choices([], [], [])
+            return None
         logits = out.logits[self.runner.rows_index(batch.choice_rows)]
-        return self.sampler.sample(logits, batch.choice_requests, batch.choice_emitted)
+        return self.sampler.sample_on_device(logits, batch.choice_requests, batch.choice_emitted)
 
     def _observe(self, out: ModelOutput, batch: StepBatch) -> None:
         """Show the observers the rows the step's tokens were chosen from: the sampled rows,

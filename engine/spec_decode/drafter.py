@@ -14,13 +14,18 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 from engine.request import Request
+from engine.spec_decode.candidates import levels_from_values, levels_values
 from engine.spec_decode.policy import Method, SpeculationPolicy
-from engine.spec_decode.proposer import ProposalInput, Proposer
+from engine.spec_decode.proposer import MLPProposer, ProposalInput, Proposer
 from engine.spec_decode.tree import DraftTree
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,92 @@ class Drafter:
         self._propose_seconds = time.perf_counter() - start
         return trees
 
+    @property
+    def drafts_on_device(self) -> bool:
+        """Whether drafting happens before the step's read (`plan`, `launch`, `finish`), not
+        after it (`propose`)."""
+        return isinstance(self.proposer, MLPProposer) and self.proposer.drafts_on_device
+
+    def plan(
+        self, view: DraftingView, gaining: Sequence[Request], num_plain_rows: int
+    ) -> list[tuple[Request, int]]:
+        """Before a step's read, when `drafts_on_device`: which of `gaining` (the requests that
+        choose tokens this step) draft for the next step, and how many candidates each will
+        verify. `propose`'s rule, with each of them taken to gain one token and none to finish
+        (`finish` drops those that did, and cuts the trees of those that gained more);
+        `num_plain_rows`: the rows the other running requests will run next step."""
+        if len(view.running) > self.max_batch_size:
+            return []
+        ready: list[tuple[Request, None, int]] = []
+        for req in gaining:
+            remaining = (
+                min(
+                    req.sampling_params.max_new_tokens - req.num_output_tokens,
+                    view.max_model_len - req.num_tokens,
+                )
+                - 1
+            )
+            if remaining > 1:
+                ready.append((req, None, min(self.proposer.num_heads, remaining - 1)))
+            else:
+                num_plain_rows += 1
+        return [(req, k) for req, _, _, k in self._choose(ready, num_plain_rows, view)]
+
+    def launch(
+        self,
+        chosen: list[tuple[Request, int]],  # `plan`'s
+        states: torch.Tensor,  # [R] final-norm states the requests' last tokens came from
+        token_ids: torch.Tensor,  # [R] int64: those tokens, on the device
+        last_choices: torch.Tensor,  # [R] int64: where each request's walk ended
+    ) -> PendingDrafts:
+        """Draft `chosen`'s trees on the device; the step reads `PendingDrafts.values`."""
+        start = time.perf_counter()
+        assert isinstance(self.proposer, MLPProposer)
+        levels = self.proposer.draft_levels(states, token_ids)
+        values = torch.cat([last_choices.double(), levels_values(levels)])
+        self._propose_seconds = time.perf_counter() - start
+        return PendingDrafts(chosen, levels, values)
+
+    def finish(
+        self,
+        view: DraftingView,  # after the step's update
+        drafts: PendingDrafts,
+        values: Sequence[float],  # `drafts.values` read on the host
+        last_choices: dict[str, int],  # request id -> the choice its walk ended at, on the host
+    ) -> dict[str, DraftTree]:
+        """The draft trees of `drafts`' requests that still draft after the step (`propose`'s
+        rule, each tree cut to the room its request has left): running, with tokens gained
+        from the choice their drafts were made from."""
+        start = time.perf_counter()
+        assert isinstance(self.proposer, MLPProposer)
+        num = len(drafts.chosen)
+        walked = [int(v) for v in values[:num]]
+        running = {r.request_id for r in view.running}
+        kept: list[tuple[str, int, int, int]] = []  # request id, row, max depth, candidates
+        if len(running) <= self.max_batch_size:
+            for row, ((req, k), last) in enumerate(zip(drafts.chosen, walked, strict=True)):
+                request_id = req.request_id
+                if request_id not in running or last_choices.get(request_id) != last:
+                    continue
+                remaining = min(
+                    req.sampling_params.max_new_tokens - req.num_output_tokens,
+                    view.max_model_len - req.num_tokens,
+                )
+                if req.num_computed_tokens == req.num_tokens - 1 and remaining > 1:
+                    kept.append((request_id, row, min(self.proposer.num_heads, remaining - 1), k))
+        trees: dict[str, DraftTree] = {}
+        if kept:
+            levels = levels_from_values(drafts.levels, np.asarray(values[num:]))
+            full = self.proposer.num_candidates
+            made = self.proposer.trees_from_levels(
+                levels, [r for _, r, _, _ in kept], [d for _, _, d, _ in kept],
+                max(k for *_, k in kept),
+            )  # fmt: skip
+            for (request_id, _, _, k), tree in zip(kept, made, strict=True):
+                trees[request_id] = tree if k == full else tree.first_candidates(k)
+        self._propose_seconds += time.perf_counter() - start
+        return trees
+
     def _draft(
         self, view: DraftingView, hidden_states: dict[str, torch.Tensor]
     ) -> dict[str, DraftTree]:
@@ -90,8 +181,24 @@ class Drafter:
                     ready.append((req, hidden, min(num_heads, remaining - 1)))
                     continue
             num_plain_rows += num_tokens - req.num_computed_tokens
-        if not ready:
+        chosen = self._choose(ready, num_plain_rows, view)
+        if not chosen:
             return {}
+        inputs = [ProposalInput(r.request_id, r.all_token_ids, h, d) for r, h, d, _ in chosen]
+        trees = self.proposer.propose(inputs, max(k for *_, k in chosen))
+        full = self.proposer.num_candidates
+        return {
+            p.request_id: tree if k == full else tree.first_candidates(k)
+            for p, (*_, k), tree in zip(inputs, chosen, trees, strict=True)
+        }
+
+    def _choose(
+        self, ready: list[tuple[Request, _T, int]], num_plain_rows: int, view: DraftingView
+    ) -> list[tuple[Request, _T, int, int]]:
+        """Of the `ready` requests (request, its input, max depth), those that draft and the
+        candidates each verifies, by the policy when there is one."""
+        if not ready:
+            return []
         methods = [Method.of(req.sampling_params) for req, _, _ in ready]
         full = self.proposer.num_candidates
         choice = dict.fromkeys(methods, full)
@@ -100,18 +207,24 @@ class Drafter:
             max_plain_rows = view.max_num_batched_tokens - len(ready)
             choice = self.policy.choose(min(num_plain_rows, max_plain_rows), Counter(methods))
             if not choice:
-                return {}
+                return []
             refreshing = set(self.policy.refreshing)
-        chosen = []  # (input, candidates): one full tree for each refreshing method
-        for (req, hidden, max_depth), m in zip(ready, methods, strict=True):
+        chosen = []  # one full tree for each refreshing method
+        for (req, payload, max_depth), m in zip(ready, methods, strict=True):
             if choice.get(m):
-                p = ProposalInput(req.request_id, req.all_token_ids, hidden, max_depth)
-                chosen.append((p, full if m in refreshing else choice[m]))
+                chosen.append((req, payload, max_depth, full if m in refreshing else choice[m]))
                 refreshing.discard(m)
         if self.policy is not None and self.policy.probing:
             chosen = chosen[:1]
-        trees = self.proposer.propose([p for p, _ in chosen], max(k for _, k in chosen))
-        return {
-            p.request_id: tree if k == full else tree.first_candidates(k)
-            for (p, k), tree in zip(chosen, trees, strict=True)
-        }
+        return chosen
+
+
+@dataclass
+class PendingDrafts:
+    """Trees drafted on the device before the step's read: the requests and their candidates
+    (`Drafter.plan`), the heads' levels, and `values` for the read (each request's last choice,
+    then the levels)."""
+
+    chosen: list[tuple[Request, int]]
+    levels: list[tuple[torch.Tensor, torch.Tensor]]
+    values: torch.Tensor
