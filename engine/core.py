@@ -379,7 +379,10 @@ class LLMEngine:
         if not batch.choice_rows:
             return None
         logits = out.logits[self.runner.rows_index(batch.choice_rows)]
-        return self.sampler.sample_on_device(logits, batch.choice_requests, batch.choice_emitted)
+        drafting = self.drafter is not None and self.drafter.drafts_on_device
+        return self.sampler.sample_on_device(
+            logits, batch.choice_requests, batch.choice_emitted, token_ids=drafting
+        )
 
     def _observe(self, out: ModelOutput, batch: StepBatch) -> None:
         """Show the observers the rows the step's tokens were chosen from: the sampled rows,

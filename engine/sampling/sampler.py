@@ -56,9 +56,10 @@ values the host needs (or None), is sent those values read on the host, and retu
 
 class PendingChoices:
     """A step's choices computed on the device, not yet read: `token_ids` [M] int64 on the
-    device holds each row's token (meaningless for a row that fails; a row chosen again after
-    the read may end with another), `values` the float64 values `finish` needs from the host
-    (None: none), to be read in one copy with whatever else the step reads."""
+    device, when asked for, holds each row's token (meaningless for a row that fails; a row
+    chosen again after the read may end with another); `values` the float64 values `finish`
+    needs from the host (None: none), to be read in one copy with whatever else the step
+    reads."""
 
     def __init__(self, steps: _Steps) -> None:
         self._steps = steps
@@ -411,10 +412,11 @@ class Sampler:
         logits: torch.Tensor,  # [M, vocab] raw
         reqs: Sequence[Request],  # [M]
         emitted: Sequence[Sequence[int]],  # [M]
+        token_ids: bool = True,
     ) -> PendingChoices:
-        """`sample`, up to the read: each row's token on the device, and what the host reads
-        for the rest (see `PendingChoices`)."""
-        return PendingChoices(self._steps(logits, reqs, emitted, row_tokens=True))
+        """`sample`, up to the read: what the host reads for the rest and, with `token_ids`,
+        each row's token on the device (see `PendingChoices`)."""
+        return PendingChoices(self._steps(logits, reqs, emitted, row_tokens=token_ids))
 
     def _steps(
         self,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -220,11 +221,15 @@ _EVERY_KIND = [
 ]  # fmt: skip
 
 
-def _run_on_pretend_device(
-    device: PretendDevice, path: Path, speculate: bool
-) -> tuple[dict[str, list[int]], list[tuple[int, int, list[str]]]]:
+class _Run(NamedTuple):
+    token_ids: dict[str, list[int]]
+    steps: list[tuple[int, int, list[str]]]  # per step: trees verified, reads, pageable writes
+    trees: list[dict[str, DraftTree]]  # per step: the trees drafted for the next one
+
+
+def _run_on_pretend_device(device: PretendDevice, path: Path, speculate: bool) -> _Run:
     """Every request of `_EVERY_KIND` to its end (one more prompt joins after the first step),
-    each step counted: the tokens, and per step (trees verified, reads, pageable writes)."""
+    each step counted."""
     runner = ModelRunner(EngineConfig(path, dtype="float32", device="meta", num_kv_blocks=64))
     drafter = None
     if speculate:
@@ -236,36 +241,43 @@ def _run_on_pretend_device(
     engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=8), frozenset({2}), drafter)
     for i, params in enumerate(_EVERY_KIND):
         engine.add_request(str(i), list(range(10 + i, 30)), params)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(_EVERY_KIND) + 1)}
-    steps = []
+    run = _Run({str(i): [] for i in range(len(_EVERY_KIND))}, [], [])
     while engine.has_unfinished_requests():
         step = counted(device, engine.step)
-        if not steps:
+        if not run.steps:
             engine.add_request("new", list(range(40, 52)), SamplingParams(max_new_tokens=4))
-            tokens["new"] = []
+            run.token_ids["new"] = []
         for out in step.outputs:
-            tokens[out.request_id] += out.new_token_ids
-        steps.append((step.stats.num_spec_reqs, len(device.reads), device.pageable_writes[:]))
-    return tokens, steps
+            run.token_ids[out.request_id] += out.new_token_ids
+        run.steps.append((step.stats.num_spec_reqs, len(device.reads), device.pageable_writes[:]))
+        running = engine.scheduler.running
+        run.trees.append({r.request_id: r.draft_tree for r in running if r.draft_tree})
+    return run
 
 
-def test_speculative_steps_read_the_device_once() -> None:
+def test_speculative_steps_read_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps of greedy, penalised (repetition penalty, min_new_tokens), logprob and sampled
     requests (top-k, top-p, typical-p) with an MLP speculator's trees, a prompt joining them,
     on the pretend device: every step (the forward pass, every rule, the walks, the next
     step's drafting) reads the device once and copies nothing from unpinned memory; the same
-    steps without speculation read it once too, and both give the same tokens.
+    steps without speculation read it once too, and both give the same tokens. The trees
+    drafted before the read are those drafted after it from the host's view of the step
+    (`Drafter.propose`, as on a CPU).
 
     A new read anywhere in a step (an `.item()`, a `.tolist()`, a copy to the host, a
     `nonzero`, a branch on a device value) or a host-to-device copy that skips pinned memory
     is counted by the dispatcher, whatever code makes it: the count goes above one."""
     path: Path = require_model(model_path(MODEL))
     with pretend_device() as device:
-        plain, plain_steps = _run_on_pretend_device(device, path, speculate=False)
-        spec, spec_steps = _run_on_pretend_device(device, path, speculate=True)
-    assert spec == plain
-    assert all(reads == 1 and not pageable for _, reads, pageable in plain_steps + spec_steps)
-    assert max(trees for trees, _, _ in spec_steps) == len(_EVERY_KIND) + 1
+        plain = _run_on_pretend_device(device, path, speculate=False)
+        spec = _run_on_pretend_device(device, path, speculate=True)
+        monkeypatch.setattr(MLPProposer, "drafts_on_device", property(lambda self: False))
+        after_read = _run_on_pretend_device(device, path, speculate=True)
+    assert spec.token_ids == plain.token_ids == after_read.token_ids
+    assert all(reads == 1 and not pageable for _, reads, pageable in plain.steps + spec.steps)
+    assert max(trees for trees, _, _ in spec.steps) == len(_EVERY_KIND) + 1
+    assert spec.trees == after_read.trees
+    assert max(reads for _, reads, _ in after_read.steps) == 2  # the count sees drafting's read
 
 
 def test_walks_on_the_device_end_where_the_host_walks_end() -> None:
