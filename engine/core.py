@@ -30,11 +30,7 @@ from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from engine.spec_decode.drafter import Drafter, DraftingView, PendingDrafts
 from engine.spec_decode.policy import Method
 from engine.spec_decode.tree import DraftTree
-from engine.spec_decode.verifier import (
-    Verification,
-    accepted_slot_moves,
-    last_choices_on_device,
-)
+from engine.spec_decode.verifier import accepted_slot_moves
 
 logger = logging.getLogger(__name__)
 
@@ -207,10 +203,7 @@ class LLMEngine:
                 num_trees = len(sched.scheduled_draft_trees)
                 seconds = time.perf_counter() - start
                 self.drafter.observe_step(sched.total_num_scheduled_tokens, seconds, num_trees)
-            if results.drafts is not None:
-                trees = self._finish_drafts(results)
-            elif not self.drafter.drafts_on_device:
-                trees = self._propose(hidden_states)
+            trees = self._next_trees(results, hidden_states)
             self.scheduler.update_draft_trees(trees)
         stats = self._stats(sched, outputs, trees, num_prefill_tokens, num_hits)
         return EngineStepOutput(outputs, stats, events)
@@ -253,53 +246,21 @@ class LLMEngine:
         s = self.scheduler
         return DraftingView(s.running, s.max_model_len, s.config.max_num_batched_tokens)
 
-    def _propose(self, hidden_states: dict[str, torch.Tensor]) -> dict[str, DraftTree]:
-        """The drafter's trees; none this step when drafting fails (the requests go on without
-        speculation)."""
+    def _next_trees(
+        self, results: _Results, hidden_states: dict[str, torch.Tensor]
+    ) -> dict[str, DraftTree]:
+        """The drafter's trees for the next step: those drafted before the step's read, or
+        drafted now from `hidden_states`; none this step when drafting fails (the requests go
+        on without speculation)."""
         assert self.drafter is not None
-        try:
-            return self.drafter.propose(self._drafting_view(), hidden_states)
-        except (RuntimeError, ValueError) as e:
-            logger.warning("drafting failed, this step decodes without drafts: %s", e)
+        view = self._drafting_view()
+        if results.drafts is not None:
+            values = results.draft_values or []
+            return self.drafter.finish(view, results.drafts, values, results.last_choices)
+        if self.drafter.drafts_on_device:
             return {}
-
-    def _launch_drafts(
-        self, sched: SchedulerOutput, out: ModelOutput, batch: StepBatch, pending: PendingChoices
-    ) -> PendingDrafts | None:
-        """Before the step's read: the next step's trees drafted on the device from where each
-        drafting request's walk ends (`Drafter.plan`), or None (no drafts, or drafting
-        failed)."""
-        assert self.drafter is not None and pending.token_ids is not None
-        walks: dict[str, int | Verification] = {req.request_id: i for req, i in batch.sampling}
-        walks.update((v.request.request_id, v) for v in batch.verifying)
-        gaining = [r for r in sched.scheduled_requests if r.request_id in walks]
-        num_plain_rows = sum(
-            r.num_tokens - r.num_computed_tokens - sched.num_scheduled_tokens.get(r.request_id, 0)
-            for r in self.scheduler.running
-            if r.request_id not in walks
-        )
         try:
-            chosen = self.drafter.plan(self._drafting_view(), gaining, num_plain_rows)
-            if not chosen:
-                return None
-            last, rows = last_choices_on_device(
-                [walks[req.request_id] for req, _ in chosen], batch.choice_rows, pending.token_ids
-            )
-            return self.drafter.launch(
-                chosen, out.hidden_states[rows], pending.token_ids[last], last
-            )
-        except (RuntimeError, ValueError) as e:
-            logger.warning("drafting failed, this step decodes without drafts: %s", e)
-            return None
-
-    def _finish_drafts(self, results: _Results) -> dict[str, DraftTree]:
-        """The trees `_launch_drafts` drafted, for the requests that still draft."""
-        assert self.drafter is not None and results.drafts is not None
-        assert results.draft_values is not None
-        try:
-            return self.drafter.finish(
-                self._drafting_view(), results.drafts, results.draft_values, results.last_choices
-            )
+            return self.drafter.propose(view, hidden_states)
         except (RuntimeError, ValueError) as e:
             logger.warning("drafting failed, this step decodes without drafts: %s", e)
             return {}
@@ -336,8 +297,11 @@ class LLMEngine:
             except (RuntimeError, ValueError) as e:
                 results.errors[req.request_id] = str(e)
         pending = self._choose(out, batch)
-        if pending is not None and self.drafter is not None and self.drafter.drafts_on_device:
-            results.drafts = self._launch_drafts(sched, out, batch, pending)
+        if pending is not None and pending.token_ids is not None and self.drafter is not None:
+            # the rows' tokens stay on the device when the drafter drafts there
+            results.drafts = self.drafter.launch(
+                self._drafting_view(), sched, batch, pending.token_ids, out.hidden_states
+            )
         drafted = None if results.drafts is None else results.drafts.values
         values, results.draft_values = read_values(
             [None if pending is None else pending.values, drafted]

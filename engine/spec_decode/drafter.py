@@ -10,11 +10,12 @@ step, possibly none, and may ask for a probe: one request drafts, to measure.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -24,8 +25,15 @@ from engine.spec_decode.candidates import levels_from_values, levels_values
 from engine.spec_decode.policy import Method, SpeculationPolicy
 from engine.spec_decode.proposer import MLPProposer, ProposalInput, Proposer
 from engine.spec_decode.tree import DraftTree
+from engine.spec_decode.verifier import Verification, last_choices_on_device
+
+if TYPE_CHECKING:
+    from engine.batch import StepBatch
+    from engine.scheduler import SchedulerOutput
 
 _T = TypeVar("_T")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,22 +85,40 @@ class Drafter:
 
     @property
     def drafts_on_device(self) -> bool:
-        """Whether drafting happens before the step's read (`plan`, `launch`, `finish`), not
+        """Whether drafting happens before the step's read (`launch`, then `finish`), not
         after it (`propose`)."""
         return isinstance(self.proposer, MLPProposer) and self.proposer.drafts_on_device
 
-    def plan(
-        self, view: DraftingView, gaining: Sequence[Request], num_plain_rows: int
-    ) -> list[tuple[Request, int]]:
-        """Before a step's read, when `drafts_on_device`: which of `gaining` (the requests that
-        choose tokens this step) draft for the next step, and how many candidates each will
-        verify. `propose`'s rule, with each of them taken to gain one token and none to finish
-        (`finish` drops those that did, and cuts the trees of those that gained more);
-        `num_plain_rows`: the rows the other running requests will run next step."""
+    def launch(
+        self,
+        view: DraftingView,  # before the step's update
+        sched: SchedulerOutput,
+        batch: StepBatch,  # the step's choices
+        token_ids: torch.Tensor,  # [C] int64 on the device: the token chosen at each choice
+        hidden_states: torch.Tensor,  # [rows, hidden]: the step's final-norm states
+    ) -> PendingDrafts | None:
+        """Before a step's read, when `drafts_on_device`: the trees of the next step drafted on
+        the device (None: no request drafts, or drafting failed and was logged), from where
+        each drafting request's walk ends (`last_choices_on_device`); the step reads
+        `PendingDrafts.values` with its choices.
+
+        Who drafts follows `propose`'s rule for the requests that choose tokens this step,
+        each taken to gain one token and none to finish: `finish` drops those that did finish
+        and cuts the trees of those that gained more."""
+        start = time.perf_counter()
+        assert isinstance(self.proposer, MLPProposer)
         if len(view.running) > self.max_batch_size:
-            return []
-        ready: list[tuple[Request, None, int]] = []
-        for req in gaining:
+            return None
+        walks: dict[str, int | Verification] = {req.request_id: i for req, i in batch.sampling}
+        walks.update((v.request.request_id, v) for v in batch.verifying)
+        num_plain_rows = 0  # the rows the others will run next step
+        ready: list[tuple[Request, int | Verification, int]] = []  # (request, walk, max depth)
+        for req in view.running:
+            walk = walks.get(req.request_id)
+            if walk is None:
+                scheduled = sched.num_scheduled_tokens.get(req.request_id, 0)
+                num_plain_rows += req.num_tokens - req.num_computed_tokens - scheduled
+                continue
             remaining = (
                 min(
                     req.sampling_params.max_new_tokens - req.num_output_tokens,
@@ -101,25 +127,22 @@ class Drafter:
                 - 1
             )
             if remaining > 1:
-                ready.append((req, None, min(self.proposer.num_heads, remaining - 1)))
+                ready.append((req, walk, min(self.proposer.num_heads, remaining - 1)))
             else:
                 num_plain_rows += 1
-        return [(req, k) for req, _, _, k in self._choose(ready, num_plain_rows, view)]
-
-    def launch(
-        self,
-        chosen: list[tuple[Request, int]],  # `plan`'s
-        states: torch.Tensor,  # [R] final-norm states the requests' last tokens came from
-        token_ids: torch.Tensor,  # [R] int64: those tokens, on the device
-        last_choices: torch.Tensor,  # [R] int64: where each request's walk ended
-    ) -> PendingDrafts:
-        """Draft `chosen`'s trees on the device; the step reads `PendingDrafts.values`."""
-        start = time.perf_counter()
-        assert isinstance(self.proposer, MLPProposer)
-        levels = self.proposer.draft_levels(states, token_ids)
-        values = torch.cat([last_choices.double(), levels_values(levels)])
+        chosen = self._choose(ready, num_plain_rows, view)
+        if not chosen:
+            return None
+        walked = [w for _, w, _, _ in chosen]
+        try:
+            last, rows = last_choices_on_device(walked, batch.choice_rows, token_ids)
+            levels = self.proposer.draft_levels(hidden_states[rows], token_ids[last])
+        except (RuntimeError, ValueError) as e:
+            logger.warning("drafting failed, the next step decodes without drafts: %s", e)
+            return None
+        values = torch.cat([last.double(), levels_values(levels)])
         self._propose_seconds = time.perf_counter() - start
-        return PendingDrafts(chosen, levels, values)
+        return PendingDrafts([(req, k) for req, _, _, k in chosen], levels, values)
 
     def finish(
         self,
@@ -130,7 +153,7 @@ class Drafter:
     ) -> dict[str, DraftTree]:
         """The draft trees of `drafts`' requests that still draft after the step (`propose`'s
         rule, each tree cut to the room its request has left): running, with tokens gained
-        from the choice their drafts were made from."""
+        from the choice their drafts were made from. None when drafting fails (logged)."""
         start = time.perf_counter()
         assert isinstance(self.proposer, MLPProposer)
         num = len(drafts.chosen)
@@ -152,10 +175,14 @@ class Drafter:
         if kept:
             levels = levels_from_values(drafts.levels, np.asarray(values[num:]))
             full = self.proposer.num_candidates
-            made = self.proposer.trees_from_levels(
-                levels, [r for _, r, _, _ in kept], [d for _, _, d, _ in kept],
-                max(k for *_, k in kept),
-            )  # fmt: skip
+            try:
+                made = self.proposer.trees_from_levels(
+                    levels, [r for _, r, _, _ in kept], [d for _, _, d, _ in kept],
+                    max(k for *_, k in kept),
+                )  # fmt: skip
+            except (RuntimeError, ValueError) as e:
+                logger.warning("drafting failed, the next step decodes without drafts: %s", e)
+                return {}
             for (request_id, _, _, k), tree in zip(kept, made, strict=True):
                 trees[request_id] = tree if k == full else tree.first_candidates(k)
         self._propose_seconds += time.perf_counter() - start
@@ -221,8 +248,8 @@ class Drafter:
 
 @dataclass
 class PendingDrafts:
-    """Trees drafted on the device before the step's read: the requests and their candidates
-    (`Drafter.plan`), the heads' levels, and `values` for the read (each request's last choice,
+    """Trees drafted on the device before the step's read: the requests and their candidates,
+    the heads' levels, and `values` for the read (each request's last choice,
     then the levels)."""
 
     chosen: list[tuple[Request, int]]
