@@ -6,6 +6,12 @@ see `sampling.keyed_draw`), when it is exactly one token behind (its last token 
 it becomes the tree's root) and has room for at least one draft, while at
 most `max_batch_size` requests run. The policy (when given) chooses how many candidates pay this
 step, possibly none, and may ask for a probe: one request drafts, to measure.
+
+Off a CPU, where reading the device waits for it, drafting happens before the step's one read
+(`launch`): the walks' ends are found on the device, the speculator drafts from there, and the
+read brings the heads' levels back with the step's choices; after the update, `finish` makes
+the trees of the requests that still draft. On a CPU, `propose` drafts after the update from
+the host's view of the step (the same rule).
 """
 
 from __future__ import annotations
