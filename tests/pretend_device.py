@@ -5,9 +5,9 @@ sampler and the drafter on `meta` run their steps to the end with real values, w
 dispatcher is watched for every way data moves between the pretend device and the host:
 
 - reads (each one, on CUDA, waits for the device): a copy to the host (`.cpu()`, `.to("cpu")`,
-  `copy_` into a host tensor), `.item()`, `.tolist()`, `.numpy()`, truth and number conversions,
-  and the operations whose output size depends on the values (`nonzero`, `masked_select`,
-  `unique`, ...: on CUDA they read the size back);
+  `copy_` into a host tensor), `.item()`, `.tolist()`, truth and number conversions, and the
+  operations whose output size depends on the values (`nonzero`, `masked_select`, `unique`,
+  indexing with a boolean mask, ...: on CUDA they read the size back);
 - pageable writes: a copy of host memory onto the device that was not pinned first
   (`torch.tensor(..., device=)`, `.to(device)` of a host tensor that is not pinned): on CUDA the
   copy waits for the device. Pinned memory is what `Tensor.pin_memory()` or
@@ -15,8 +15,8 @@ dispatcher is watched for every way data moves between the pretend device and th
   these are marked here); `engine.host_copy` pins for `meta` as it does for CUDA while the
   stand-in is active.
 
-As on CUDA, an operation that mixes a device tensor with a host tensor of one element or more
-dimensions raises. `.data_ptr()` of a device tensor raises too (host code cannot read it).
+As on CUDA, an operation that mixes a device tensor with a host tensor of one or more dimensions
+raises, and so do `.numpy()` and `.data_ptr()` of a device tensor (host code cannot read it).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ _SIZE_FROM_VALUES = {
     aten._unique2.default, aten.unique_dim.default, aten.repeat_interleave.Tensor,
     aten.argwhere.default,
 }  # fmt: skip
-_READS = {"tolist", "numpy", "item", "__bool__", "__int__", "__float__", "__index__"}
+_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__"}
+_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
 
 
 class _OnDevice(torch.Tensor):
@@ -66,6 +67,16 @@ class _OnDevice(torch.Tensor):
 
 def _is_meta(device: object) -> bool:
     return device is not None and torch.device(device).type == "meta"  # type: ignore[call-overload]
+
+
+def _masks(func: Any, args: Any) -> bool:
+    """Whether `func` indexes with a boolean mask (its output size is the mask's count)."""
+    if func not in _INDEXING:
+        return False
+    indices = args[1] if len(args) > 1 else []
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+    )
 
 
 def _target_device(func: Any, args: Any, kwargs: dict[str, Any]) -> torch.device | None:
@@ -132,7 +143,7 @@ class PretendDevice(TorchDispatchMode):
                 return dst
         elif on_device and func is aten._local_scalar_dense.default:
             self.read("item")
-        elif on_device and func in _SIZE_FROM_VALUES:
+        elif on_device and (func in _SIZE_FROM_VALUES or _masks(func, args)):
             self.read(str(func))
         elif on_device and func is not aten._has_compatible_shallow_copy_type.default:
             host = [
@@ -183,8 +194,8 @@ class _HostCalls(TorchFunctionMode):
             if name in _READS:
                 self.device.read(name)
                 return getattr(args[0].elem, name)(*args[1:], **kwargs)
-            if name == "data_ptr":
-                raise RuntimeError("data_ptr() of a device tensor read on the host")
+            if name in ("data_ptr", "numpy"):
+                raise TypeError(f"{name}() of a device tensor: the host cannot read it")
         if name == "pin_memory" and args and not isinstance(args[0], _OnDevice):
             return self.device.pin(args[0].clone())
         if kwargs.get("pin_memory"):

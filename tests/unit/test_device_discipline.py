@@ -194,6 +194,7 @@ def test_the_pretend_device_counts_every_way_to_the_host() -> None:
             x.tolist()
             x.cpu()
             x.nonzero()
+            x[x > 2]
             bool(x[1] > 0)
             torch.tensor([1, 2], device="meta")
             torch.ones(3).to("meta", non_blocking=True)
@@ -202,10 +203,12 @@ def test_the_pretend_device_counts_every_way_to_the_host() -> None:
         counted(device, reads)
         with pytest.raises(RuntimeError, match="found at least two devices"):
             x.index_select(0, torch.tensor([0, 2]))
+        with pytest.raises(TypeError, match="the host cannot read it"):
+            x.numpy()
         assert (x + 1).cpu().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert device.reads == [
         "item", "tolist", "copy to the host (aten.to.dtype_layout)", "aten.nonzero.default",
-        "__bool__",
+        "aten.index.Tensor", "__bool__",
     ]  # fmt: skip
     assert len(device.pageable_writes) == 2
 
