@@ -43,7 +43,8 @@ class _Results:
     errors: dict[str, str] = field(default_factory=dict)
     drafts: PendingDrafts | None = None  # drafted on the device for the next step
     draft_values: list[float] | None = None  # `drafts.values` read on the host
-    last_choices: dict[str, int] = field(default_factory=dict)  # where each request's walk ended
+    last_choices: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Where each request's walk ended: the choice's index and token."""
 
 
 class LLMEngine:
@@ -314,7 +315,7 @@ class LLMEngine:
             if error is not None:
                 results.errors.setdefault(req.request_id, error)
                 continue
-            results.last_choices[req.request_id] = i
+            results.last_choices[req.request_id] = (i, choices.token_ids[i])
             results.token_ids[req.request_id] = [choices.token_ids[i]]
             if detail is not None:
                 results.logprobs[req.request_id] = [detail]
@@ -329,7 +330,7 @@ class LLMEngine:
             if v.request.sampling_params.logprobs:
                 results.logprobs[request_id] = [d for d in v.details if d is not None]
             results.draft_depths[request_id] = v.tree.depth
-            results.last_choices[request_id] = v.first_choice + v.node
+            results.last_choices[request_id] = (v.first_choice + v.node, v.token_ids[-1])
             hidden_states[request_id] = out.hidden_states[v.last_row]
             if self.drafter is not None:
                 self.drafter.observe_tree(v.tree, v.token_ids, Method.of(v.request.sampling_params))

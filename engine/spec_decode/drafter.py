@@ -146,7 +146,7 @@ class Drafter:
         except (RuntimeError, ValueError) as e:
             logger.warning("drafting failed, the next step decodes without drafts: %s", e)
             return None
-        values = torch.cat([last.double(), levels_values(levels)])
+        values = torch.cat([last.double(), token_ids[last].double(), levels_values(levels)])
         self._propose_seconds = time.perf_counter() - start
         return PendingDrafts([(req, k) for req, _, _, k in chosen], levels, values)
 
@@ -155,15 +155,18 @@ class Drafter:
         view: DraftingView,  # after the step's update
         drafts: PendingDrafts,
         values: Sequence[float],  # `drafts.values` read on the host
-        last_choices: dict[str, int],  # request id -> the choice its walk ended at, on the host
+        last_choices: dict[str, tuple[int, int]],  # request id -> its walk's last choice, token
     ) -> dict[str, DraftTree]:
         """The draft trees of `drafts`' requests that still draft after the step (`propose`'s
         rule, each tree cut to the room its request has left): running, with tokens gained
-        from the choice their drafts were made from. None when drafting fails (logged)."""
+        from the choice their drafts were made from (the one the host's walk ended at, with the
+        same token). No trees when drafting fails (logged)."""
         start = time.perf_counter()
         assert isinstance(self.proposer, MLPProposer)
         num = len(drafts.chosen)
-        walked = [int(v) for v in values[:num]]
+        walked = [
+            (int(i), int(t)) for i, t in zip(values[:num], values[num : 2 * num], strict=True)
+        ]
         running = {r.request_id for r in view.running}
         kept: list[tuple[str, int, int, int]] = []  # request id, row, max depth, candidates
         if len(running) <= self.max_batch_size:
@@ -179,7 +182,7 @@ class Drafter:
                     kept.append((request_id, row, min(self.proposer.num_heads, remaining - 1), k))
         trees: dict[str, DraftTree] = {}
         if kept:
-            levels = levels_from_values(drafts.levels, np.asarray(values[num:]))
+            levels = levels_from_values(drafts.levels, np.asarray(values[2 * num :]))
             full = self.proposer.num_candidates
             try:
                 made = self.proposer.trees_from_levels(
@@ -255,8 +258,8 @@ class Drafter:
 @dataclass
 class PendingDrafts:
     """Trees drafted on the device before the step's read: the requests and their candidates,
-    the heads' levels, and `values` for the read (each request's last choice,
-    then the levels)."""
+    the heads' levels, and `values` for the read (each request's last choice, the tokens
+    chosen there, then the levels)."""
 
     chosen: list[tuple[Request, int]]
     levels: list[tuple[torch.Tensor, torch.Tensor]]
