@@ -255,11 +255,9 @@ class LLMEngine:
         on without speculation)."""
         assert self.drafter is not None
         view = self._drafting_view()
-        if results.drafts is not None:
+        if self.drafter.drafts_on_device:
             values = results.draft_values or []
             return self.drafter.finish(view, results.drafts, values, results.last_choices)
-        if self.drafter.drafts_on_device:
-            return {}
         try:
             return self.drafter.propose(view, hidden_states)
         except (RuntimeError, ValueError) as e:

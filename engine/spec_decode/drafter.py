@@ -65,12 +65,15 @@ class Drafter:
         self.policy = policy
         self.max_batch_size = max_batch_size
         self._propose_seconds = 0.0  # drafting for the coming step, part of its cost
+        self._launch_seconds = 0.0  # `launch` in the step being run: the next step's cost
 
     def observe_step(self, num_rows: int, seconds: float, num_trees: int) -> None:
         """A step of `num_rows` rows verifying `num_trees` trees took `seconds` (its drafting,
-        timed by `propose`, is added here)."""
+        timed by `propose` or `launch` and `finish`, is added here; `seconds` may include the
+        next step's `launch`, which is taken out)."""
         if self.policy is not None:
-            self.policy.observe_step(num_rows, seconds + self._propose_seconds, num_trees)
+            drafting = self._propose_seconds - self._launch_seconds
+            self.policy.observe_step(num_rows, seconds + drafting, num_trees)
 
     def observe_tree(self, tree: DraftTree, token_ids: list[int], method: Method) -> None:
         """A verified tree of a request of `method` and the tokens the request gained from it."""
@@ -112,6 +115,19 @@ class Drafter:
         each taken to gain one token and none to finish: `finish` drops those that did finish
         and cuts the trees of those that gained more."""
         start = time.perf_counter()
+        try:
+            return self._launch(view, sched, batch, token_ids, hidden_states)
+        finally:
+            self._launch_seconds = time.perf_counter() - start
+
+    def _launch(
+        self,
+        view: DraftingView,
+        sched: SchedulerOutput,
+        batch: StepBatch,
+        token_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+    ) -> PendingDrafts | None:
         assert isinstance(self.proposer, MLPProposer)
         if len(view.running) > self.max_batch_size:
             return None
@@ -125,15 +141,12 @@ class Drafter:
                 scheduled = sched.num_scheduled_tokens.get(req.request_id, 0)
                 num_plain_rows += req.num_tokens - req.num_computed_tokens - scheduled
                 continue
-            remaining = (
-                min(
-                    req.sampling_params.max_new_tokens - req.num_output_tokens,
-                    view.max_model_len - req.num_tokens,
-                )
-                - 1
+            room = min(
+                req.sampling_params.max_new_tokens - req.num_output_tokens,
+                view.max_model_len - req.num_tokens,
             )
-            if remaining > 1:
-                ready.append((req, walk, min(self.proposer.num_heads, remaining - 1)))
+            if room - 1 > 1:  # after the one token it gains at least
+                ready.append((req, walk, min(self.proposer.num_heads, room - 2)))
             else:
                 num_plain_rows += 1
         chosen = self._choose(ready, num_plain_rows, view)
@@ -147,13 +160,12 @@ class Drafter:
             logger.warning("drafting failed, the next step decodes without drafts: %s", e)
             return None
         values = torch.cat([last.double(), token_ids[last].double(), levels_values(levels)])
-        self._propose_seconds = time.perf_counter() - start
         return PendingDrafts([(req, k) for req, _, _, k in chosen], levels, values)
 
     def finish(
         self,
         view: DraftingView,  # after the step's update
-        drafts: PendingDrafts,
+        drafts: PendingDrafts | None,  # `launch`'s in this step (None: none)
         values: Sequence[float],  # `drafts.values` read on the host
         last_choices: dict[str, tuple[int, int]],  # request id -> its walk's last choice, token
     ) -> dict[str, DraftTree]:
@@ -162,7 +174,22 @@ class Drafter:
         from the choice their drafts were made from (the one the host's walk ended at, with the
         same token). No trees when drafting fails (logged)."""
         start = time.perf_counter()
+        try:
+            return self._finish(view, drafts, values, last_choices)
+        finally:
+            self._propose_seconds = self._launch_seconds + time.perf_counter() - start
+            self._launch_seconds = 0.0
+
+    def _finish(
+        self,
+        view: DraftingView,
+        drafts: PendingDrafts | None,
+        values: Sequence[float],
+        last_choices: dict[str, tuple[int, int]],
+    ) -> dict[str, DraftTree]:
         assert isinstance(self.proposer, MLPProposer)
+        if drafts is None:
+            return {}
         num = len(drafts.chosen)
         walked = [
             (int(i), int(t)) for i, t in zip(values[:num], values[num : 2 * num], strict=True)
@@ -194,7 +221,6 @@ class Drafter:
                 return {}
             for (request_id, _, _, k), tree in zip(kept, made, strict=True):
                 trees[request_id] = tree if k == full else tree.first_candidates(k)
-        self._propose_seconds += time.perf_counter() - start
         return trees
 
     def _draft(
