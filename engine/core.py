@@ -17,6 +17,7 @@ from engine.batch import StepBatch, build_batch, count_prefill_tokens
 from engine.config import SchedulerConfig
 from engine.device import use_device
 from engine.hooks import TokenObserver
+from engine.host_copy import read_values
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelOutput, ModelRunner
 from engine.outputs import EngineOutput, EngineStepOutput, RequestEvent, StepStats
@@ -24,9 +25,9 @@ from engine.outputs import RequestEventType as Event
 from engine.request import PromptPrefix, Request
 from engine.sampling.params import SamplingParams, draw_seed
 from engine.sampling.prompt_logprobs import PromptLogprobs
-from engine.sampling.sampler import Choices, Sampler, TokenLogprobs
+from engine.sampling.sampler import Choices, PendingChoices, Sampler, TokenLogprobs
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
-from engine.spec_decode.drafter import Drafter, DraftingView
+from engine.spec_decode.drafter import Drafter, DraftingView, PendingDrafts
 from engine.spec_decode.policy import Method
 from engine.spec_decode.tree import DraftTree
 from engine.spec_decode.verifier import accepted_slot_moves
@@ -40,6 +41,10 @@ class _Results:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     draft_depths: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    drafts: PendingDrafts | None = None  # drafted on the device for the next step
+    draft_values: list[float] | None = None  # `drafts.values` read on the host
+    last_choices: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Where each request's walk ended: the choice's index and token."""
 
 
 class LLMEngine:
@@ -177,6 +182,7 @@ class LLMEngine:
         outputs = [EngineOutput(r.request_id, [], r.status) for r in sched.finished_requests]
         num_prefill_tokens = count_prefill_tokens(sched)
         hidden_states: dict[str, torch.Tensor] = {}
+        results = _Results()
         if sched.scheduled_requests:
             results = self._execute(sched, hidden_states)
             now = time.monotonic()
@@ -200,7 +206,7 @@ class LLMEngine:
                 num_trees = len(sched.scheduled_draft_trees)
                 seconds = time.perf_counter() - start
                 self.drafter.observe_step(sched.total_num_scheduled_tokens, seconds, num_trees)
-            trees = self._propose(hidden_states)
+            trees = self._next_trees(results, hidden_states)
             self.scheduler.update_draft_trees(trees)
         stats = self._stats(sched, outputs, trees, num_prefill_tokens, num_hits)
         return EngineStepOutput(outputs, stats, events)
@@ -239,12 +245,21 @@ class LLMEngine:
             num_blocks=self.kv.num_blocks,
         )
 
-    def _propose(self, hidden_states: dict[str, torch.Tensor]) -> dict[str, DraftTree]:
-        """The drafter's trees; none this step when drafting fails (the requests go on without
-        speculation)."""
-        assert self.drafter is not None
+    def _drafting_view(self) -> DraftingView:
         s = self.scheduler
-        view = DraftingView(s.running, s.max_model_len, s.config.max_num_batched_tokens)
+        return DraftingView(s.running, s.max_model_len, s.config.max_num_batched_tokens)
+
+    def _next_trees(
+        self, results: _Results, hidden_states: dict[str, torch.Tensor]
+    ) -> dict[str, DraftTree]:
+        """The drafter's trees for the next step: those drafted before the step's read, or
+        drafted now from `hidden_states`; none this step when drafting fails (the requests go
+        on without speculation)."""
+        assert self.drafter is not None
+        view = self._drafting_view()
+        if self.drafter.drafts_on_device:
+            values = results.draft_values or []
+            return self.drafter.finish(view, results.drafts, values, results.last_choices)
         try:
             return self.drafter.propose(view, hidden_states)
         except (RuntimeError, ValueError) as e:
@@ -282,12 +297,25 @@ class LLMEngine:
                 self.prompt_logprobs.record(req, rows, positions)
             except (RuntimeError, ValueError) as e:
                 results.errors[req.request_id] = str(e)
-        choices = self._choose(out, batch)
+        pending = self._choose(out, batch)
+        if pending is not None and pending.token_ids is not None and self.drafter is not None:
+            # the rows' tokens stay on the device when the drafter drafts there
+            results.drafts = self.drafter.launch(
+                self._drafting_view(), sched, batch, pending.token_ids, out.hidden_states
+            )
+        drafted = None if results.drafts is None else results.drafts.values
+        values, results.draft_values = read_values(
+            [None if pending is None else pending.values, drafted]
+        )  # the step's one read of the device
+        choices = Choices([], [], [])
+        if pending is not None:
+            choices = pending.finish([] if values is None else values)
         for req, i in batch.sampling:
             error, detail = choices.errors[i], choices.details[i]
             if error is not None:
                 results.errors.setdefault(req.request_id, error)
                 continue
+            results.last_choices[req.request_id] = (i, choices.token_ids[i])
             results.token_ids[req.request_id] = [choices.token_ids[i]]
             if detail is not None:
                 results.logprobs[req.request_id] = [detail]
@@ -302,6 +330,7 @@ class LLMEngine:
             if v.request.sampling_params.logprobs:
                 results.logprobs[request_id] = [d for d in v.details if d is not None]
             results.draft_depths[request_id] = v.tree.depth
+            results.last_choices[request_id] = (v.first_choice + v.node, v.token_ids[-1])
             hidden_states[request_id] = out.hidden_states[v.last_row]
             if self.drafter is not None:
                 self.drafter.observe_tree(v.tree, v.token_ids, Method.of(v.request.sampling_params))
@@ -309,13 +338,16 @@ class LLMEngine:
         self.runner.copy_slots(*accepted_slot_moves(batch.verifying, self.kv))
         return results
 
-    def _choose(self, out: ModelOutput, batch: StepBatch) -> Choices:
-        """One token (or an error) for each of the batch's choice rows, in one sampler call: one
-        device-to-host copy for the whole step."""
+    def _choose(self, out: ModelOutput, batch: StepBatch) -> PendingChoices | None:
+        """One token (or an error) for each of the batch's choice rows, in one sampler call,
+        up to the step's read (None: no choice rows)."""
         if not batch.choice_rows:
-            return Choices([], [], [])
+            return None
         logits = out.logits[self.runner.rows_index(batch.choice_rows)]
-        return self.sampler.sample(logits, batch.choice_requests, batch.choice_emitted)
+        drafting = self.drafter is not None and self.drafter.drafts_on_device
+        return self.sampler.sample_on_device(
+            logits, batch.choice_requests, batch.choice_emitted, token_ids=drafting
+        )
 
     def _observe(self, out: ModelOutput, batch: StepBatch) -> None:
         """Show the observers the rows the step's tokens were chosen from: the sampled rows,

@@ -13,6 +13,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache, select_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphSequence, StepGraphs
+from engine.host_copy import to_device
 from engine.kernels.cpu import load_cpu_kernels
 from engine.kernels.plan_store import choose_kernels
 from engine.kv_sizing import CudaMemory, DeviceMemory, MemoryGauge, kv_block_bytes, kv_pool_blocks
@@ -234,11 +235,9 @@ class ModelRunner:
     def _to_device(self, *arrays: list[int]) -> list[torch.Tensor]:
         """The int lists as int64 views of one device tensor, made by one host-to-device copy
         (from pinned memory and asynchronous on CUDA)."""
-        flat = torch.tensor([x for a in arrays for x in a], dtype=torch.int64)
-        if self.device.type == "cuda":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
-        else:
-            flat = flat.to(self.device)
+        flat = to_device(
+            torch.tensor([x for a in arrays for x in a], dtype=torch.int64), self.device
+        )
         views = []
         start = 0
         for a in arrays:

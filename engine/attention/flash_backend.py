@@ -14,6 +14,7 @@ from flash_attn import flash_attn_varlen_func
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from engine.attention.fallback import triton_or_torch
+from engine.host_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,8 @@ class FlashAttentionBackend(AttentionBackend):
             self._fallback.prepare(metadata)
             return
         device = metadata.block_tables.device
-        cu_q = torch.tensor([0, *metadata.query_lens], device=device).cumsum(0).int()
-        cu_k = torch.tensor([0, *metadata.seq_lens], device=device).cumsum(0).int()
+        lens = torch.tensor([[0, *metadata.query_lens], [0, *metadata.seq_lens]])
+        cu_q, cu_k = to_device(lens, device).cumsum(1).int()  # one copy, from pinned memory
         metadata.backend_data = _Prepared(
             cu_q, cu_k, max(metadata.query_lens), max(metadata.seq_lens)
         )

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from engine.host_copy import to_device
 
 SINGLE_THREAD_WORK = 4096
 """CPU attention of at most this many (query, key) pairs in a step runs on the calling thread."""
@@ -73,16 +74,20 @@ class TorchAttentionBackend(AttentionBackend):
         simple_decode = max_q == 1 and all(s == max_k for s in seq_lens)
         mask = None
         if not simple_decode:
-            lens = torch.tensor(seq_lens, device=device)
-            ctx_lens = lens - torch.tensor(query_lens, device=device)  # [S]
+            lens, query = to_device(torch.tensor([seq_lens, query_lens]), device)  # [S] each
+            ctx_lens = lens - query
             q_pos = torch.arange(max_q, device=device)
             # Causal: new token j sees keys up to its own storage position ctx + j.
             visible = key_pos[None, None, :] <= (ctx_lens[:, None, None] + q_pos[None, :, None])
             visible &= key_pos[None, None, :] < lens[:, None, None]  # [S, Q, K]
-            for i, tree in enumerate(metadata.tree_masks):
-                if tree is not None:
+            trees = [(i, tree) for i, tree in enumerate(metadata.tree_masks) if tree is not None]
+            if trees:  # all of them in one copy
+                masks = to_device(torch.cat([tree.flatten() for _, tree in trees]), device)
+                offset = 0
+                for i, _ in trees:
                     ctx, n = seq_lens[i] - query_lens[i], query_lens[i]
-                    visible[i, :n, ctx : ctx + n] = tree.to(device)
+                    visible[i, :n, ctx : ctx + n] = masks[offset : offset + n * n].view(n, n)
+                    offset += n * n
             for i, n in enumerate(query_lens):
                 visible[i, n:, 0] = True  # padding rows: avoid an all-masked softmax
             mask = visible.unsqueeze(1)
@@ -103,7 +108,7 @@ class TorchAttentionBackend(AttentionBackend):
         tables = metadata.block_tables[:, : -(-max_k // bs)]
         mask = None
         if any(s != max_k for s in seq_lens):
-            lens = torch.tensor(seq_lens, device=tables.device)
+            lens = to_device(torch.tensor(seq_lens), tables.device)
             key_pos = torch.arange(tables.shape[1] * bs, device=tables.device)
             mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
         single_thread = _single_thread(tables.device, sum(seq_lens))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copy import to_device
 from engine.sampling.keyed_draw import key_parts
 from engine.sampling.logits_processor import (
     MAX_SCORE,
@@ -99,10 +100,7 @@ class StepParams:
             values += ids + [ids[0] if ids else 0] * (width_e - len(ids))
         for group in groups:
             values += group
-        host = torch.tensor(values, dtype=torch.float64)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(device, non_blocking=True)  # the step's one host-to-device copy
+        flat = to_device(torch.tensor(values, dtype=torch.float64), device)  # the step's one copy
         sizes = [num_rows * _NUM_COLUMNS, num_rows * width_l, num_rows * width_e]
         rows, penalised_ids, eos_ids, *group_ids = flat.split([*sizes, *map(len, groups)])
         return StepParams(

@@ -5,12 +5,13 @@ log-softmax of those processed scores)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine.host_copy import to_device
 from engine.request import Request
 from engine.sampling.additive_penalties import apply_additive_penalties
 from engine.sampling.batch_rules import (
@@ -48,6 +49,37 @@ class Choices:
     errors: list[str | None]  # [M]
 
 
+_Steps = Generator[tuple[torch.Tensor | None, torch.Tensor | None], list[float], Choices]
+"""A choice in two parts: it yields each row's token on the device (or None) and the float64
+values the host needs (or None), is sent those values read on the host, and returns the
+`Choices`."""
+
+
+class PendingChoices:
+    """A step's choices computed on the device, not yet read: `token_ids` [M] int64 on the
+    device, when asked for, holds each row's token (meaningless for a row that fails; a row
+    chosen again after the read may end with another); `values` the float64 values `finish`
+    needs from the host (None: none), to be read in one copy with whatever else the step
+    reads."""
+
+    def __init__(self, steps: _Steps) -> None:
+        self._steps = steps
+        self.token_ids, self.values = next(steps)
+
+    def finish(self, values: list[float]) -> Choices:
+        """The choices, from `values` read on the host (empty when `values` is None)."""
+        try:
+            self._steps.send(values)
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("a choice reads the device once")
+
+
+def _read(steps: _Steps) -> Choices:
+    pending = PendingChoices(steps)
+    return pending.finish([] if pending.values is None else pending.values.tolist())
+
+
 def sample_with_details(
     logits: torch.Tensor,  # [M, vocab] float32
     params: Sequence[SamplingParams],  # [M]
@@ -69,9 +101,9 @@ def sample_with_details(
     and the position only. The batch costs one host-to-device copy (the rows' parameters) and
     one device-to-host copy (tokens, flags and details), unless a row's top-k ties beyond its
     candidates: such rows are chosen again over the whole vocabulary."""
-    return _choose(logits, params, seeds, positions, past_token_ids, num_generated,
-                   eos_token_ids, full=False,
-                   generated_token_ids=generated_token_ids)  # fmt: skip
+    return _read(_choose(logits, params, seeds, positions, past_token_ids, num_generated,
+                         eos_token_ids, full=False, row_tokens=False,
+                         generated_token_ids=generated_token_ids))  # fmt: skip
 
 
 def _choose(
@@ -83,9 +115,11 @@ def _choose(
     num_generated: Sequence[int] | None,
     eos_token_ids: Sequence[frozenset[int]] | None,
     full: bool,
+    row_tokens: bool,
     generated_token_ids: Sequence[Sequence[int]] | None = None,
-) -> Choices:
-    """`sample_with_details`; `full`: every sampled row's candidates are the whole vocabulary."""
+) -> _Steps:
+    """`sample_with_details`; `full`: every sampled row's candidates are the whole vocabulary;
+    `row_tokens`: yield the rows' tokens on the device (see `PendingChoices`)."""
     num_rows, vocab = len(params), logits.shape[-1]
     processed = [
         i for i, p in enumerate(params)
@@ -117,10 +151,12 @@ def _choose(
         index = raw.argmax(axis=1)  # [M]: the first NaN if any, else the first maximum
         values = raw[np.arange(num_rows), index]
         head = [*index.tolist(), *(np.isnan(values) | np.isposinf(values)).tolist()]
+        tokens_d = torch.from_numpy(index.copy()) if row_tokens else None
     else:
         values_t, index_t = logits.max(dim=-1)  # NaN wins the max
         parts += [index_t.double(), (values_t.isnan() | values_t.isposinf()).double()]
         head = []
+        tokens_d = index_t.clone() if row_tokens else None
     reads: list[tuple[list[int], int, bool]] = []  # rows, detail width, sampled
     if processed:
         every = len(processed) == num_rows
@@ -131,6 +167,13 @@ def _choose(
             chosen = scores if len(greedy) == len(processed) else scores[step.groups[1]]
             tokens = chosen.argmax(-1)
             parts.append(tokens.double())
+            if tokens_d is not None:
+                at = (
+                    step.groups[0]
+                    if len(greedy) == len(processed)
+                    else step.groups[0][step.groups[1]]
+                )
+                tokens_d.index_copy_(0, at, tokens)
             width = _top_width([params[i] for i in rows], vocab)
             if width is not None:
                 values, ids = chosen.topk(width, -1)
@@ -155,6 +198,8 @@ def _choose(
             )
             drawn = keyed_sample_at(c.scores, c.token_ids, keys_of(sub.rows[:, 6:9].long()))
             tokens = c.token_ids.gather(1, drawn[:, None])[:, 0]
+            if tokens_d is not None:
+                tokens_d.index_copy_(0, step.groups[0] if every else step.groups[0][index], tokens)
             # NaN, an infinite maximum (+inf: overflow, -inf: nothing left): no distribution
             invalid = c.scores.isnan().any(-1) | ~c.scores.amax(-1).isfinite()
             parts += [tokens.double(), invalid.double(), c.overflow.double()]
@@ -166,8 +211,7 @@ def _choose(
                              logp[:, :width])
                 )  # fmt: skip
             reads.append((rows, -1 if width is None else width, True))
-    if parts:
-        head += torch.cat([t.flatten() for t in parts]).tolist()  # the one copy to the host
+    head += yield tokens_d, torch.cat([t.flatten() for t in parts]) if parts else None
     flat = head
     choices = Choices([int(t) for t in flat[:num_rows]], [None] * num_rows, [None] * num_rows)
     flags = flat[num_rows : 2 * num_rows]
@@ -244,10 +288,10 @@ def _choose_again(
     past_token_ids: Sequence[Sequence[int]],
 ) -> None:
     """Choose `rows` again with the whole vocabulary as candidates, into `choices`."""
-    sub = logits[torch.tensor(rows, device=logits.device)]
-    again = _choose(sub, [params[i] for i in rows], [seeds[i] for i in rows],
-                    [positions[i] for i in rows], [past_token_ids[i] for i in rows],
-                    None, None, full=True)  # fmt: skip
+    sub = logits[to_device(torch.tensor(rows), logits.device)]
+    again = _read(_choose(sub, [params[i] for i in rows], [seeds[i] for i in rows],
+                          [positions[i] for i in rows], [past_token_ids[i] for i in rows],
+                          None, None, full=True, row_tokens=False))  # fmt: skip
     for n, i in enumerate(rows):
         choices.token_ids[i] = again.token_ids[n]
         choices.details[i] = again.details[n]
@@ -275,6 +319,13 @@ def greedy_choices(
     only mask `masked_ids`: the same tokens and errors (the argmax, first index on ties; a row
     holding NaN or +inf after masking fails), from one reduction over the rows and one
     device-to-host copy (on a CPU, numpy on the calling thread). `logits` is not modified."""
+    return _read(_greedy_choices(logits, masked_ids, row_tokens=False))
+
+
+def _greedy_choices(
+    logits: torch.Tensor, masked_ids: Sequence[frozenset[int]], row_tokens: bool
+) -> _Steps:
+    """`greedy_choices`; `row_tokens` as for `_choose`."""
     num_rows = logits.shape[0]
     error = "the model produced non-finite logits for this request"
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
@@ -292,19 +343,17 @@ def greedy_choices(
         values = scores[np.arange(num_rows), index]  # [M]: never at a masked id
         flags = np.isnan(values) | np.isposinf(values)  # [M]
         tokens, bad = index.tolist(), flags.tolist()
+        yield (torch.from_numpy(index) if row_tokens else None), None
     else:
         rows = [i for i, ids in enumerate(masked_ids) for _ in ids]
         cols = [t for ids in masked_ids for t in sorted(ids)]
         if rows:
-            masked = torch.tensor([rows, cols], dtype=torch.int64)
-            if logits.device.type == "cuda":
-                masked = masked.pin_memory()
-            index = masked.to(logits.device, non_blocking=True)  # the one host-to-device copy
+            index = to_device(torch.tensor([rows, cols]), logits.device)  # the one such copy
             logits = logits.clone()
             logits[index[0], index[1]] = float("-inf")
         values_t, index_t = logits.max(dim=-1)  # [M] each: NaN wins the max
         flat = torch.cat([index_t.double(), (values_t.isnan() | values_t.isposinf()).double()])
-        host = flat.tolist()  # the one copy to the host
+        host = yield (index_t if row_tokens else None), flat
         tokens, bad = [int(t) for t in host[:num_rows]], host[num_rows:]
     choices = Choices(tokens, [None] * num_rows, [None] * num_rows)
     for i in range(num_rows):
@@ -364,9 +413,29 @@ class Sampler:
         """One token per row, as if the row's request already held `emitted[i]` after its own
         tokens (a draft path being verified), plus its details when its params ask for them;
         a row whose choice fails carries its error instead (see `sample_with_details`)."""
+        return _read(self._steps(logits, reqs, emitted, row_tokens=False))
+
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,  # [M, vocab] raw
+        reqs: Sequence[Request],  # [M]
+        emitted: Sequence[Sequence[int]],  # [M]
+        token_ids: bool = True,
+    ) -> PendingChoices:
+        """`sample`, up to the read: what the host reads for the rest and, with `token_ids`,
+        each row's token on the device (see `PendingChoices`)."""
+        return PendingChoices(self._steps(logits, reqs, emitted, row_tokens=token_ids))
+
+    def _steps(
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Request],
+        emitted: Sequence[Sequence[int]],
+        row_tokens: bool,
+    ) -> _Steps:
         params = [r.sampling_params for r in reqs]
         if all(map(is_plain_greedy, params)):
-            return greedy_choices(
+            return _greedy_choices(
                 logits,
                 [
                     r.eos_token_ids
@@ -374,8 +443,9 @@ class Sampler:
                     else frozenset()
                     for r, p, e in zip(reqs, params, emitted, strict=True)
                 ],
+                row_tokens,
             )
-        return sample_with_details(
+        return _choose(
             logits,
             params,
             [p.seed for p in params],
@@ -388,7 +458,9 @@ class Sampler:
             ],
             [r.num_output_tokens + len(e) for r, e in zip(reqs, emitted, strict=True)],
             [r.eos_token_ids for r in reqs],
-            [
+            full=False,
+            row_tokens=row_tokens,
+            generated_token_ids=[
                 [*r.output_token_ids, *e] if p.has_additive_rules else ()
                 for r, p, e in zip(reqs, params, emitted, strict=True)
             ],

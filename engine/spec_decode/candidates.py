@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.config import SpeculativeConfig, bounds_of
+from engine.host_copy import to_host
 
 
 class TreeShape(NamedTuple):
@@ -225,22 +226,27 @@ def levels_on_host(
     levels: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per head: [B * F, k] log-probs, ids
 ) -> list[tuple[np.ndarray, np.ndarray]]:  # the same as float32 and int64 arrays
     """The heads' top-k log-probabilities and token ids on the host: views of CPU tensors, else
-    one device-to-host copy of them all into pinned memory (float64 holds both exactly)."""
+    one device-to-host copy of them all (`levels_values`, `levels_from_values`)."""
     if levels[0][0].device.type == "cpu":
         return [(logprobs.float().numpy(), ids.numpy()) for logprobs, ids in levels]
-    flat = torch.cat([t.flatten().double() for level in levels for t in level])
-    if flat.device.type == "cuda":
-        pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        pinned.copy_(flat, non_blocking=True)
-        torch.cuda.current_stream(flat.device).synchronize()  # drafting's one read
-        host = pinned.numpy()
-    else:
-        host = flat.cpu().numpy()
+    return levels_from_values(levels, to_host(levels_values(levels)).numpy())
+
+
+def levels_values(levels: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The levels as one flat float64 tensor on their device (float64 holds both exactly)."""
+    return torch.cat([t.flatten().double() for level in levels for t in level])
+
+
+def levels_from_values(
+    levels: Sequence[tuple[torch.Tensor, torch.Tensor]],  # their shapes are read
+    values: np.ndarray,  # `levels_values(levels)` on the host
+) -> list[tuple[np.ndarray, np.ndarray]]:  # as `levels_on_host`
+    """`levels_on_host` from `levels_values` read on the host."""
     arrays = []
     offset = 0
     for logprobs, _ in levels:
         size = logprobs.numel()
-        values = host[offset : offset + 2 * size].reshape(2, *logprobs.shape)
-        arrays.append((values[0].astype(np.float32), values[1].astype(np.int64)))
+        pair = values[offset : offset + 2 * size].reshape(2, *logprobs.shape)
+        arrays.append((pair[0].astype(np.float32), pair[1].astype(np.int64)))
         offset += 2 * size
     return arrays

@@ -299,9 +299,35 @@ class MLPSpeculator(nn.Module):
         check_tree_shape(self.config.n_predict, top_k_tokens_per_head, n_candidates)
         check_selection(selection)
         batch = state.shape[0]
-        budget = None
         if num_drafts is not None and selection == "nodes" and state.device.type == "cpu":
             budget = NodeBudget(batch, num_drafts)
+            host = self._levels(state, token_ids, top_k_tokens_per_head, budget)
+        else:
+            host = levels_on_host(self.draft_levels(state, token_ids, top_k_tokens_per_head))
+        return pick_candidates(
+            host, batch, top_k_tokens_per_head, n_candidates, selection, num_drafts
+        )
+
+    @torch.inference_mode()
+    def draft_levels(
+        self,
+        state: torch.Tensor,  # [B, emb_dim]
+        token_ids: torch.Tensor,  # [B] int64
+        top_k_tokens_per_head: Sequence[int],
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # per head: [B * F, k] log-probs, token ids
+        """The whole top-k tree of `draft_candidates` on `state`'s device, nothing read on the
+        host: per head, each node's top k log-probabilities (float32) and token ids (int64),
+        parents in mixed-radix order (as `pick_candidates` takes them once on the host)."""
+        return self._levels(state, token_ids, top_k_tokens_per_head, None)
+
+    def _levels(
+        self,
+        state: torch.Tensor,
+        token_ids: torch.Tensor,
+        top_k_tokens_per_head: Sequence[int],
+        budget: NodeBudget | None,
+    ) -> list[Any]:  # `draft_levels`' tensors, or with `budget` its host arrays
+        batch = state.shape[0]
         # The nodes to expand come in groups of siblings, which share their parent's state and
         # so its projection: G groups (at first the roots) of c tokens each, F = G * c nodes;
         # or, where a budget leaves some siblings out, F groups of one, each node's parent at
@@ -340,7 +366,4 @@ class MLPSpeculator(nn.Module):
             parent_rows = None if rows is None else torch.from_numpy(rows // k)
             if rows is not None:
                 tokens = tokens.reshape(-1, 1)[torch.from_numpy(rows)]  # [F, 1]
-        host = levels_on_host(levels) if budget is None else budget.levels
-        return pick_candidates(
-            host, batch, top_k_tokens_per_head, n_candidates, selection, num_drafts
-        )
+        return levels if budget is None else budget.levels

@@ -6,14 +6,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
+from engine.host_copy import to_device
 from engine.kernels.autotune import select_kernels
 from engine.kernels.rows import load_rows_gemm
 from engine.layers.linear import Linear
 from engine.spec_decode import mlp_speculator
-from engine.spec_decode.candidates import check_selection, check_tree_shape, num_candidates
+from engine.spec_decode.candidates import (
+    check_selection,
+    check_tree_shape,
+    num_candidates,
+    pick_candidates,
+)
 from engine.spec_decode.fused_drafting import FusedNodeDrafting, Int8Head
 from engine.spec_decode.mlp_speculator import MLPSpeculator
 from engine.spec_decode.tree import DraftTree
@@ -140,6 +147,46 @@ class MLPProposer:
     def num_candidates(self) -> int:
         return self._num_candidates
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.speculator.parameters()).device
+
+    @property
+    def drafts_on_device(self) -> bool:
+        """Whether the engine drafts before its step's read (`draft_levels`, then
+        `trees_from_levels`): off a CPU, where reading the device waits for it. On a CPU,
+        `propose` drafts from the host's view of the step."""
+        return self.fused is None and self.device.type != "cpu"
+
+    def draft_levels(
+        self,
+        states: torch.Tensor,  # [B, hidden] on the speculator's device
+        token_ids: torch.Tensor,  # [B] int64: the tokens chosen from them, on that device
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The whole top-k tree of each row on the device (`MLPSpeculator.draft_levels`)."""
+        param = next(self.speculator.parameters())
+        return self.speculator.draft_levels(
+            states.to(param.dtype), token_ids, self.top_k_tokens_per_head
+        )
+
+    def trees_from_levels(
+        self,
+        levels: Sequence[tuple[np.ndarray, np.ndarray]],  # `draft_levels`' levels on the host
+        rows: Sequence[int],  # the rows to make trees of
+        max_depths: Sequence[int],  # [len(rows)]
+        max_candidates: int | None = None,
+    ) -> list[DraftTree]:
+        """The trees `propose` makes of those rows' inputs (`max_candidates` as there)."""
+        batch = levels[0][0].shape[0]  # the first head's rows: one root per row
+        paths, _ = pick_candidates(
+            levels, batch, self.top_k_tokens_per_head, self.n_candidates, self.selection,
+            num_drafts=max_candidates,
+        )  # fmt: skip
+        return [
+            DraftTree.from_paths([[t for t in path if t >= 0] for path in paths[r].tolist()], d)
+            for r, d in zip(rows, max_depths, strict=True)
+        ]
+
     def propose(
         self, inputs: Sequence[ProposalInput], max_candidates: int | None = None
     ) -> list[DraftTree]:
@@ -172,12 +219,8 @@ class MLPProposer:
 
 
 def _on_device(token_ids: list[int], device: torch.device) -> torch.Tensor:  # [B] int64
-    """Token ids on `device`: on CUDA from pinned memory, a copy that does not wait for the
-    device (a pageable one would)."""
-    host = torch.tensor(token_ids, dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    """Token ids on `device`, by a copy that does not wait for it (`host_copy.to_device`)."""
+    return to_device(torch.tensor(token_ids, dtype=torch.int64), device)
 
 
 def _stacked(

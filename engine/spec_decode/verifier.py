@@ -22,6 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from engine.host_copy import to_device
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.sampling.sampler import Choices, TokenLogprobs
@@ -87,3 +90,40 @@ def accepted_slot_moves(
                 src += kv.slot_mapping(request_id, start + node, start + node + 1)
                 dst += kv.slot_mapping(request_id, start + depth, start + depth + 1)
     return src, dst
+
+
+def last_choices_on_device(
+    walks: Sequence[int | Verification],  # per drafting request: its one choice, or its tree
+    choice_rows: Sequence[int],  # [C]: the logits row of each of the step's choices
+    token_ids: torch.Tensor,  # [C] int64 on the device: the token chosen at each choice
+) -> tuple[torch.Tensor, torch.Tensor]:  # [R] int64 choice indices, [R] int64 logits rows
+    """Where each walk ends, computed on the device without reading it: the index of its last
+    choice (a request's one choice; for a tree, its last walked node's, as `Verification.walk`
+    descends over `token_ids`, failed choices included) and that choice's logits row. Costs
+    one host-to-device copy (the trees' shapes) and a few operations per tree level."""
+    num_choices = len(choice_rows)
+    parents, drafts = list(range(num_choices)), [-1] * num_choices
+    depths, slots = [0] * num_choices, [len(walks)] * num_choices
+    num_levels = 0
+    for r, walk in enumerate(walks):
+        if isinstance(walk, int):
+            slots[walk] = r
+            continue
+        root, tree = walk.first_choice, walk.tree
+        slots[root] = r
+        for j, (token, parent) in enumerate(zip(tree.token_ids, tree.parents, strict=True), 1):
+            parents[root + j], drafts[root + j] = root + parent, token
+            depths[root + j], slots[root + j] = tree.depths[j], r
+        num_levels = max(num_levels, tree.depth)
+    host = torch.tensor([parents, drafts, depths, slots, list(choice_rows)], dtype=torch.int64)
+    parent, draft, depth, slot, rows = to_device(host, token_ids.device)
+    # a node is walked when its draft is its parent's choice, and so on up to the root
+    match = (token_ids[parent] == draft) | (depth == 0)
+    walked = match
+    for _ in range(num_levels):
+        walked = match & walked[parent]
+    index = torch.arange(num_choices, device=token_ids.device)
+    key = torch.where(walked, depth * num_choices + index, -1)  # the deepest walked node wins
+    last = torch.full((len(walks) + 1,), -1, dtype=torch.int64, device=token_ids.device)
+    last = last.scatter_reduce_(0, slot, key, "amax")[:-1] % num_choices
+    return last, rows[last]
