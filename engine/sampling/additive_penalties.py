@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copy import to_device
 from engine.sampling.params import SamplingParams
 
 
@@ -61,10 +62,7 @@ class AdditivePenalties:
             for column in columns:
                 values += column[part]
                 values += [0] * (width - len(column[part]))
-        host = torch.tensor(values, dtype=torch.float64)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(device, non_blocking=True)  # the one host-to-device copy
+        flat = to_device(torch.tensor(values, dtype=torch.float64), device)
         rows, ids, counts, bias = flat.split([2 * num_rows, *[num_rows * width] * 3])
         rows, counts = rows.view(num_rows, 2), counts.view(num_rows, width)
         presence, frequency = rows[:, 0:1], rows[:, 1:2]

@@ -221,6 +221,9 @@ _EVERY_KIND = [
                    repetition_penalty=1.2, logprobs=True, top_n_tokens=2),
     SamplingParams(max_new_tokens=5, temperature=1.1, seed=9, typical_p=0.9, min_new_tokens=3),
     SamplingParams(max_new_tokens=5, temperature=0.7, seed=10),
+    SamplingParams(max_new_tokens=5, frequency_penalty=0.5, presence_penalty=0.3,
+                   logit_bias={11: 2.0, 12: -1.0}),
+    SamplingParams(max_new_tokens=5, temperature=0.9, seed=11, frequency_penalty=1.0),
 ]  # fmt: skip
 
 
@@ -240,8 +243,8 @@ def _run_on_pretend_device(device: PretendDevice, path: Path, speculate: bool) -
         speculator = MLPSpeculator(weights.config, device="meta")
         for name, tensor in weights.state_dict().items():
             speculator.get_parameter(name).copy_(tensor)
-        drafter = Drafter(MLPProposer(speculator, [3, 2, 2], 3), None, max_batch_size=8)
-    engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=8), frozenset({2}), drafter)
+        drafter = Drafter(MLPProposer(speculator, [3, 2, 2], 3), None, max_batch_size=10)
+    engine = LLMEngine(runner, SchedulerConfig(max_num_seqs=10), frozenset({2}), drafter)
     for i, params in enumerate(_EVERY_KIND):
         engine.add_request(str(i), list(range(10 + i, 30)), params)
     run = _Run({str(i): [] for i in range(len(_EVERY_KIND))}, [], [])
