@@ -133,12 +133,14 @@ def build_quant_kernel(
     """x float32 [M, in] (CPU; any M >= 1) -> y float32 [M, out] = `reference_linear(x, weight,
     bias, int8_activations=True)` to float32 rounding. `variant` picks the build (as
     `load_rows_gemm`: "native" for this CPU; "avx2", "scalar" for tests). ValueError at build
-    time for a weight the kernels cannot take (`check_supported`)."""
+    time for a weight the kernels cannot take (`check_supported`). Sets the rows pool's threads
+    to torch's (process-wide, as the float32 rows kernel's build does)."""
     pq = pack_quantized(weight)
     bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
     rows = load_rows_gemm(variant)
     if rows is None:
         return _torch_product(pq, bias32)
+    rows.set_threads(torch.get_num_threads())  # process-wide, as the float rows kernel does
     padded_bias = None if bias32 is None else rows.pad_bias(bias32)
     n, k = pq.out_features, pq.in_features
     if pq.bits == 8 and pq.group_size == k and pq.zeros is None and pq.perm is None:
