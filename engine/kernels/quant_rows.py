@@ -23,10 +23,11 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from engine.kernels.cpu import bind
 from engine.kernels.rows import RowsGemm, load_rows_gemm
 from engine.quant.reference import quantize_rows
 from engine.quant.weights import QuantizedWeight
@@ -34,7 +35,11 @@ from engine.quant.weights import QuantizedWeight
 PANEL = 16
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_QG_ARGS = [_P, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I]
+# name -> (argument types, result type), in rows_gemm.c's library (rows_quant.c)
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "rows_gemm_qg": ([_P, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I], ctypes.c_int),
+    "rows_gemm_qg_isa": ([], ctypes.c_char_p),
+}
 
 
 def check_supported(weight: QuantizedWeight) -> None:
@@ -145,8 +150,8 @@ def build_quant_kernel(
     n, k = pq.out_features, pq.in_features
     if pq.bits == 8 and pq.group_size == k and pq.zeros is None and pq.perm is None:
         return _q8_product(rows, pq, padded_bias)  # W8A8 per channel: rows_q8.h's tiles
+    bind(rows.lib, _SIGNATURES)
     run = rows.lib.rows_gemm_qg
-    run.argtypes, run.restype = _QG_ARGS, ctypes.c_int
     ptrs = (
         pq.packed.data_ptr(),
         pq.scales.data_ptr(),
@@ -192,6 +197,5 @@ def kernel_isa(variant: Literal["native", "avx2", "scalar"] = "native") -> str |
     rows = load_rows_gemm(variant)
     if rows is None:
         return None
-    fn = rows.lib.rows_gemm_qg_isa
-    fn.restype = ctypes.c_char_p
-    return str(fn().decode())
+    bind(rows.lib, _SIGNATURES)
+    return str(rows.lib.rows_gemm_qg_isa().decode())
