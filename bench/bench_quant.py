@@ -87,11 +87,13 @@ def time_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
     return {name: min(t) for name, t in times.items()}
 
 
-def per_layer(rounds: int) -> list[dict[str, object]]:
+def per_layer(rounds: int, row_counts: list[int], shapes: list[str]) -> list[dict[str, object]]:
     rows_lib = load_rows_gemm()
     assert rows_lib is not None
     results: list[dict[str, object]] = []
     for name, (k, n) in {**SHAPES, "head": HEAD}.items():
+        if name not in shapes:
+            continue
         layers = 1 if name == "head" else LAYERS
         ws = [torch.randn(n, k) * k**-0.5 for _ in range(layers)]
         cands: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
@@ -102,7 +104,7 @@ def per_layer(rounds: int) -> list[dict[str, object]]:
         qws = {fmt: [quantize(w, fmt, i) for i, w in enumerate(ws)] for fmt in FORMATS}
         for fmt, qs in qws.items():
             cands[fmt] = [build_quant_kernel(q, None) for q in qs]
-        for m in ROWS + PREFILL_ROWS:
+        for m in row_counts:
             if name == "head" and m > 32:
                 continue
             x = torch.randn(m, k)
@@ -183,6 +185,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[*ROWS, *PREFILL_ROWS])
+    parser.add_argument("--shapes", nargs="+", default=[*SHAPES, "head"])
     parser.add_argument("--skip-layers", action="store_true")
     parser.add_argument("--skip-model", action="store_true")
     args = parser.parse_args()
@@ -191,7 +195,7 @@ def main() -> None:
     print(f"threads {load_rows_gemm().threads}, load {load}")  # type: ignore[union-attr]
     out: dict[str, object] = {"load_before": load}
     if not args.skip_layers:
-        out["per_layer_us"] = per_layer(args.rounds)
+        out["per_layer_us"] = per_layer(args.rounds, args.rows, args.shapes)
     if not args.skip_model:
         out["decode_tok_s"] = whole_model(args.new_tokens, args.prompts)
     out["load_after"] = os.getloadavg()
