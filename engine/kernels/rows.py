@@ -21,7 +21,9 @@ from engine.kernels.pages import huge_page_zeros
 
 logger = logging.getLogger(__name__)
 
-ROWS_SOURCES = (Path(__file__).with_name("rows_gemm.c"), Path(__file__).with_name("unit_pool.c"))
+ROWS_SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("rows_gemm.c", "rows_quant.c", "unit_pool.c")
+)
 # Extra flags per `load_rows_gemm` variant: its instruction-set path is chosen at compile time.
 ROWS_VARIANTS: dict[str, tuple[str, ...]] = {
     "native": ("-pthread",),

@@ -1,0 +1,201 @@
+"""CPU products of float32 rows with a `QuantizedWeight`, through int8 activations.
+
+`build_quant_kernel(weight, bias)` repacks a weight once into the layout of the rows family's
+quantized tiles (`rows_quant.c`, `rows_qg.h`; per-channel symmetric int8 through `rows_q8.h`)
+and returns ``x [M, in] -> y [M, out]``: each row of x quantised to int8 (`quantize_rows`),
+the integer products of each group summed exactly, the groups scaled and added in float32:
+`engine.quant.reference.reference_linear(x, weight, bias, int8_activations=True)` to float32
+rounding. One path serves every M: a pass over the weights takes up to 16 rows (AVX-512 VNNI),
+more rows run in passes that read the weights from cache, which outran dequantising the weight
+and calling a float32 GEMM at every row count measured (bench/bench_quant.py).
+
+What it keeps (the caller drops its `QuantizedWeight`): the integers, one byte a weight (8 bits)
+or half a byte (4 bits), the output features padded to a multiple of 16; float32 scales and,
+when asymmetric, int8 zeros, one each per output feature and group; the permutation (int64
+[in]) when act-ordered; the bias padded.
+
+Without a C compiler the same product runs as ATen ops on the dequantised weight (slow: a
+fallback, not a path to serve from).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from engine.kernels.cpu import bind
+from engine.kernels.rows import RowsGemm, load_rows_gemm
+from engine.quant.reference import quantize_rows
+from engine.quant.weights import QuantizedWeight
+
+PANEL = 16
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+# name -> (argument types, result type), in rows_gemm.c's library (rows_quant.c)
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "rows_gemm_qg": ([_P, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I], ctypes.c_int),
+    "rows_gemm_qg_isa": ([], ctypes.c_char_p),
+}
+
+
+def check_supported(weight: QuantizedWeight) -> None:
+    """ValueError naming the reason where the kernels cannot take `weight`: a group must be a
+    multiple of 4 input columns (8 bits) or 8 (4 bits), and at most 65,536 (its integer sums
+    must fit int32)."""
+    step = 4 if weight.bits == 8 else 8
+    if weight.group_size % step or weight.group_size > 65536:
+        raise ValueError(
+            f"quantized CPU kernel: a {weight.bits}-bit weight needs group_size a multiple of "
+            f"{step} and at most 65536, got {weight.group_size} "
+            f"([{weight.out_features}, {weight.in_features}])"
+        )
+
+
+@dataclass(frozen=True)
+class PackedQuant:
+    """A `QuantizedWeight` in the tiles' layout (`rows_qg.h`)."""
+
+    bits: int
+    group_size: int
+    out_features: int
+    in_features: int
+    packed: torch.Tensor  # uint8 [P, in / 4, 16, 4] (8 bits) or [P, in / 8, 16, 4] (4 bits)
+    scales: torch.Tensor  # float32 [P, groups, 16]
+    zeros: torch.Tensor | None  # int8 [P, groups, 16]
+    perm: torch.Tensor | None  # int64 [in]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept (the bias apart)."""
+        kept = [self.packed, self.scales, self.zeros, self.perm]
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)
+
+
+def _panels(t: torch.Tensor, panels: int) -> torch.Tensor:
+    """[out, c] -> [panels, c, 16]: output features padded with zeros to panels * 16."""
+    padded = torch.zeros((panels * PANEL, t.shape[1]), dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return padded.view(panels, PANEL, -1).transpose(1, 2).contiguous()
+
+
+def pack_quantized(weight: QuantizedWeight) -> PackedQuant:
+    """Repack `weight` as `rows_qg.h` lays it out (ValueError if unsupported, `check_supported`)."""
+    check_supported(weight)
+    out, k = weight.out_features, weight.in_features
+    panels = -(-out // PANEL)
+    offset = 128 if weight.bits == 8 else 8
+    u = (weight.int_values().to(torch.int16) + offset).to(torch.uint8)  # [out, in]
+    quads = _panels(u, panels).view(panels, k // 4, 4, PANEL).transpose(2, 3)  # [P, in/4, 16, 4]
+    if weight.bits == 8:
+        packed = quads.contiguous()
+    else:
+        pairs = quads.reshape(panels, k // 8, 2, PANEL, 4)
+        packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
+    zeros = None if weight.zeros is None else _panels(weight.zeros, panels)
+    perm = None if weight.perm is None else weight.perm.to(torch.int64).contiguous()
+    return PackedQuant(
+        weight.bits, weight.group_size, out, k, packed, _panels(weight.scales, panels), zeros, perm
+    )
+
+
+def _torch_product(pq: PackedQuant, bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
+    """The same product as ATen ops on the weight dequantised at each call (no C compiler)."""
+    panels = pq.packed.shape[0]
+    if pq.bits == 8:
+        u = pq.packed.to(torch.int16)
+    else:
+        low, high = pq.packed & 0x0F, pq.packed >> 4
+        u = torch.stack((low, high), dim=2).to(torch.int16)  # [P, in/8, 2, 16, 4]
+    u = u.reshape(panels, pq.in_features // 4, PANEL, 4).transpose(1, 2)
+    w_int = u.reshape(panels * PANEL, pq.in_features)[: pq.out_features]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        xs = x if pq.perm is None else x[:, pq.perm]
+        xq, sx = quantize_rows(xs)
+        q = w_int.to(torch.float32) - (128 if pq.bits == 8 else 8)
+        groups = pq.in_features // pq.group_size
+        scales = pq.scales.transpose(1, 2).reshape(panels * PANEL, groups)[: pq.out_features]
+        if pq.zeros is not None:
+            zeros = pq.zeros.transpose(1, 2).reshape(panels * PANEL, groups)[: pq.out_features]
+            q = q - zeros.to(torch.float32).repeat_interleave(pq.group_size, dim=1)
+        w = q * scales.repeat_interleave(pq.group_size, dim=1)
+        y = (xq.to(torch.float32) @ w.T) * sx[:, None]
+        return y if bias is None else y + bias
+
+    return forward
+
+
+def build_quant_kernel(
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None,
+    *,
+    variant: Literal["native", "avx2", "scalar"] = "native",
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x float32 [M, in] (CPU; any M >= 1) -> y float32 [M, out] = `reference_linear(x, weight,
+    bias, int8_activations=True)` to float32 rounding. `variant` picks the build (as
+    `load_rows_gemm`: "native" for this CPU; "avx2", "scalar" for tests). ValueError at build
+    time for a weight the kernels cannot take (`check_supported`). Sets the rows pool's threads
+    to torch's (process-wide, as the float32 rows kernel's build does)."""
+    pq = pack_quantized(weight)
+    bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    rows = load_rows_gemm(variant)
+    if rows is None:
+        return _torch_product(pq, bias32)
+    rows.set_threads(torch.get_num_threads())  # process-wide, as the float rows kernel does
+    padded_bias = None if bias32 is None else rows.pad_bias(bias32)
+    n, k = pq.out_features, pq.in_features
+    if pq.bits == 8 and pq.group_size == k and pq.zeros is None and pq.perm is None:
+        return _q8_product(rows, pq, padded_bias)  # W8A8 per channel: rows_q8.h's tiles
+    bind(rows.lib, _SIGNATURES)
+    run = rows.lib.rows_gemm_qg
+    ptrs = (
+        pq.packed.data_ptr(),
+        pq.scales.data_ptr(),
+        None if pq.zeros is None else pq.zeros.data_ptr(),
+    )
+    perm_ptr = None if pq.perm is None else pq.perm.data_ptr()
+    bias_ptr = None if padded_bias is None else padded_bias.data_ptr()
+    keep = (pq, padded_bias)  # the buffers the pointers point into
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"quantized kernel: expected float32 [M, {k}], got {x.dtype} "
+                             f"{list(x.shape)}")  # fmt: skip
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        rc = run(x.data_ptr(), x.stride(0), perm_ptr, *ptrs, pq.bits, pq.group_size, bias_ptr,
+                 y.data_ptr(), x.shape[0], k, n)  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"rows_gemm_qg refused the weight ({keep[0].bits} bits)")
+        return y
+
+    return forward
+
+
+def _q8_product(
+    rows: RowsGemm, pq: PackedQuant, padded_bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Per-channel symmetric int8 through `rows_gemm_q8`, whose layout is the 8-bit one with a
+    single group (its scales [P * 16])."""
+    scales = pq.scales.reshape(-1)
+    n = pq.out_features
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return rows.matmul_q8(x, pq.packed, scales, n, padded_bias)
+
+    return forward
+
+
+def kernel_isa(variant: Literal["native", "avx2", "scalar"] = "native") -> str | None:
+    """The path `build_quant_kernel` runs on for `variant` ("avx512-vnni", "avx2", "scalar"),
+    None where no C compiler works (ATen fallback)."""
+    rows = load_rows_gemm(variant)
+    if rows is None:
+        return None
+    bind(rows.lib, _SIGNATURES)
+    return str(rows.lib.rows_gemm_qg_isa().decode())
