@@ -213,6 +213,49 @@ def cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""/proc/cpuinfo flags of bfloat16 dot-product instructions (AVX512_BF16, AMX-BF16): without
+either, a bfloat16 matrix product is converted and computed element by element."""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (`BF16_FLAGS`)."""
+    return any(flag in cpu_flags() for flag in BF16_FLAGS)
+
+
+def check_cpu_bf16() -> bool:
+    """For a bfloat16 model on CPU: log at start-up which path its matrix products take; a
+    warning where the CPU lacks `BF16_FLAGS`. Returns `native_bf16()`."""
+    if native_bf16():
+        found = [f for f in BF16_FLAGS if f in cpu_flags()]
+        logger.info(
+            "bfloat16 on CPU: matrix products on oneDNN (%s); norms, RoPE and attention as ATen "
+            "ops (the fused C kernels are float32 only)",
+            ", ".join(found),
+        )
+        return True
+    logger.warning(
+        "bfloat16 on a CPU without AVX512_BF16 or AMX-BF16: matrix products convert every "
+        "element and run up to hundreds of times slower than float32; serve DTYPE_STR=float32 "
+        "on this CPU"
+    )
+    return False
+
+
 def _compile(
     compiler: str, target: Path, sources: Sequence[Path], extra_flags: Sequence[str] = ()
 ) -> None:
