@@ -156,11 +156,15 @@ _build_rows = functools.partial(_rows_kernel, lazy=False)
 _build_rows_lazy = functools.partial(_rows_kernel, lazy=True)
 
 
-def _onednn_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) -> KernelFn:
+def _onednn_kernel(
+    layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool, serial: bool = False
+) -> KernelFn:
     """oneDNN's matmul (AMX or AVX512_BF16 on bfloat16) on a copy of W in oneDNN's blocked
     layout, made now or at the first call when ``lazy``, and again at the next call after the
     layer's ``weights_version`` changes; any M. Products accumulate in float32 and round to the
-    layer's dtype once."""
+    layer's dtype once. ``serial``: torch is held to one thread for the call (process-wide,
+    restored after it), so the product runs on the calling thread alone."""
+    threads = torch.get_num_threads()
     reorder = torch.ops.mkldnn._reorder_linear_weight
     linear = torch.ops.mkldnn._linear_pointwise
     state: list[Any] = [None, -1]  # [W in oneDNN's layout, weights_version]
@@ -177,11 +181,19 @@ def _onednn_kernel(layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool) ->
             pack()
         return linear(x.contiguous(), state[0], layer.bias, "none", [], "")
 
-    return run
+    def run_serial(x: torch.Tensor) -> torch.Tensor:
+        torch.set_num_threads(1)
+        try:
+            return run(x)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run_serial if serial and threads > 1 else run
 
 
 _build_onednn = functools.partial(_onednn_kernel, lazy=False)
 _build_onednn_lazy = functools.partial(_onednn_kernel, lazy=True)
+_build_onednn_serial = functools.partial(_onednn_kernel, lazy=False, serial=True)
 
 
 @functools.cache
@@ -229,6 +241,13 @@ KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
             "or AMX-BF16)",
             _has_onednn_bf16,
             _build_onednn,
+        ),
+        "onednn-serial": KernelSpec(
+            "onednn-serial",
+            "the onednn kernel on the calling thread alone: where waking the thread pool costs "
+            "more than a decode-sized product (a host whose cores are busy)",
+            _has_onednn_bf16,
+            _build_onednn_serial,
         ),
     }
 )

@@ -84,12 +84,21 @@ def test_bf16_model_warns_at_start_up_without_bf16_instructions(
 
 
 @needs_native_bf16
-@pytest.mark.parametrize("gated", [False, True])
-def test_onednn_kernel_matches_a_float64_product(gated: bool) -> None:
-    """Every M, with bias, before and after the weights change (the packed copy follows)."""
-    k, n = 96, 160
-    layer = Linear(k, n, bias=True, dtype=torch.bfloat16, device="cpu", gated=gated)
+def test_bf16_layers_default_to_onednn() -> None:
+    layer = Linear(96, 160, dtype=torch.bfloat16, device="cpu")
     assert set(layer.kernel_names.values()) == {"onednn"}
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("kernel", ["onednn", "onednn-serial"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_onednn_kernels_match_a_float64_product(kernel: str, gated: bool) -> None:
+    """Every M, with bias, before and after the weights change (the packed copy follows); the
+    serial kernel leaves torch's thread count as it found it."""
+    k, n = 96, 160
+    threads = torch.get_num_threads()
+    layer = Linear(k, n, bias=True, dtype=torch.bfloat16, device="cpu", gated=gated)
+    layer.install({1: (kernel, matmul.KERNELS[kernel].build(layer, {}))})
     for _ in range(2):
         layer.load_rows(0, torch.randn(n, k))
         layer.load_bias(0, torch.randn(n))
@@ -101,6 +110,7 @@ def test_onednn_kernel_matches_a_float64_product(gated: bool) -> None:
             ref = x.double() @ w.t() + b
             # float32 accumulation, one rounding to bfloat16 (relative 2^-9) at the end
             torch.testing.assert_close(y.double(), ref, rtol=2.0**-8, atol=1e-3 * k**0.5)
+            assert torch.get_num_threads() == threads
 
 
 @cache
