@@ -1,7 +1,8 @@
 """ctypes bindings of the fused float32 CPU kernels: the decoder's glue (`cpu_kernels.c`),
 attention over the paged KV cache (`attention.c`) and the MLP speculator's drafting
-(`drafting.c`), one library; and the build of every C kernel (`load_library`;
-`engine.kernels.rows` binds `rows_gemm.c` with it).
+(`drafting.c`), one library; the build of every C kernel (`load_library`;
+`engine.kernels.rows` binds `rows_gemm.c` with it); and the CPU's feature flags (`cpu_flags`),
+which say whether bfloat16 products run in hardware (`native_bf16`).
 
 Each library is compiled on first use with the system C compiler (`$CC`, else `cc`) for this
 CPU (`-march=native`) into `$SPECSERVE_HOME/kernels/`, keyed by its sources and headers, the

@@ -19,6 +19,10 @@ The copy exists only for layers where such a kernel has run or been built by sel
 still referenced: it doubles those layers' weight memory, the price of reading each weight once
 per call in the kernel's streaming order.
 
+On CPU in bfloat16 (with AVX512_BF16 or AMX-BF16) the "onednn" kernel runs oneDNN's matmul on a
+copy of W in oneDNN's blocked layout, made like the "rows" kernel's copy; "onednn-serial" runs
+it on the calling thread alone, which start-up timing picks on a host whose cores are busy.
+
 Kernels are for inference only: inputs must not require grad. A kernel is not safe for
 concurrent calls from several threads (it may write to its layer's one output buffer).
 """
