@@ -14,7 +14,7 @@ from engine.attention import AttentionBackend, AttentionMetadata, KVCache, selec
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphSequence, StepGraphs
 from engine.host_copy import to_device
-from engine.kernels.cpu import load_cpu_kernels
+from engine.kernels.cpu import check_cpu_bf16, load_cpu_kernels
 from engine.kernels.plan_store import choose_kernels
 from engine.kv_sizing import CudaMemory, DeviceMemory, MemoryGauge, kv_block_bytes, kv_pool_blocks
 from engine.models.llama import LlamaConfig, LlamaModel
@@ -103,6 +103,8 @@ class ModelRunner:
             memory = CudaMemory(device)
         self.memory = memory
         self.dtype = resolve_dtype(config.dtype, self.config.torch_dtype, config.device)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            check_cpu_bf16()
         fused = config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32
         kernels = load_cpu_kernels() if fused else None
         self.backend: AttentionBackend = select_backend(

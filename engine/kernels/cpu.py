@@ -1,7 +1,8 @@
 """ctypes bindings of the fused float32 CPU kernels: the decoder's glue (`cpu_kernels.c`),
 attention over the paged KV cache (`attention.c`) and the MLP speculator's drafting
-(`drafting.c`), one library; and the build of every C kernel (`load_library`;
-`engine.kernels.rows` binds `rows_gemm.c` with it).
+(`drafting.c`), one library; the build of every C kernel (`load_library`;
+`engine.kernels.rows` binds `rows_gemm.c` with it); and the CPU's feature flags (`cpu_flags`),
+which say whether bfloat16 products run in hardware (`native_bf16`).
 
 Each library is compiled on first use with the system C compiler (`$CC`, else `cc`) for this
 CPU (`-march=native`) into `$SPECSERVE_HOME/kernels/`, keyed by its sources and headers, the
@@ -211,6 +212,49 @@ def cpu_signature() -> str:
     keys = ("model name", "flags")
     lines = [ln for ln in info.splitlines() if ln.split(":")[0].strip() in keys]
     return "\n".join(sorted(set(lines)))
+
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""/proc/cpuinfo flags of bfloat16 dot-product instructions (AVX512_BF16, AMX-BF16): without
+either, a bfloat16 matrix product is converted and computed element by element."""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (`BF16_FLAGS`)."""
+    return any(flag in cpu_flags() for flag in BF16_FLAGS)
+
+
+def check_cpu_bf16() -> bool:
+    """For a bfloat16 model on CPU: log at start-up which path its matrix products take; a
+    warning where the CPU lacks `BF16_FLAGS`. Returns `native_bf16()`."""
+    if native_bf16():
+        found = [f for f in BF16_FLAGS if f in cpu_flags()]
+        logger.info(
+            "bfloat16 on CPU: matrix products on oneDNN (%s); norms, RoPE and attention as ATen "
+            "ops (the fused C kernels are float32 only)",
+            ", ".join(found),
+        )
+        return True
+    logger.warning(
+        "bfloat16 on a CPU without AVX512_BF16 or AMX-BF16: matrix products convert every "
+        "element and run up to hundreds of times slower than float32; serve DTYPE_STR=float32 "
+        "on this CPU"
+    )
+    return False
 
 
 def _compile(

@@ -19,6 +19,10 @@ The copy exists only for layers where such a kernel has run or been built by sel
 still referenced: it doubles those layers' weight memory, the price of reading each weight once
 per call in the kernel's streaming order.
 
+On CPU in bfloat16 (with AVX512_BF16 or AMX-BF16) the "onednn" kernel runs oneDNN's matmul on a
+copy of W in oneDNN's blocked layout, made like the "rows" kernel's copy; "onednn-serial" runs
+it on the calling thread alone, which start-up timing picks on a host whose cores are busy.
+
 Kernels are for inference only: inputs must not require grad. A kernel is not safe for
 concurrent calls from several threads (it may write to its layer's one output buffer).
 """
@@ -156,6 +160,68 @@ _build_rows = functools.partial(_rows_kernel, lazy=False)
 _build_rows_lazy = functools.partial(_rows_kernel, lazy=True)
 
 
+def _onednn_kernel(
+    layer: MatmulLayer, shared: dict[Any, Any], *, lazy: bool, serial: bool = False
+) -> KernelFn:
+    """oneDNN's matmul (AMX or AVX512_BF16 on bfloat16) on a copy of W in oneDNN's blocked
+    layout, made now or at the first call when ``lazy``, and again at the next call after the
+    layer's ``weights_version`` changes; any M. Products accumulate in float32 and round to the
+    layer's dtype once. ``serial``: torch is held to one thread for the call (process-wide,
+    restored after it), so the product runs on the calling thread alone."""
+    threads = torch.get_num_threads()
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    linear = torch.ops.mkldnn._linear_pointwise
+    state: list[Any] = [None, -1]  # [W in oneDNN's layout, weights_version]
+
+    def pack() -> None:
+        state[0] = reorder(layer.weight_view().contiguous(), None)
+        state[1] = layer.weights_version
+
+    if not lazy:
+        pack()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if state[1] != layer.weights_version:
+            pack()
+        return linear(x.contiguous(), state[0], layer.bias, "none", [], "")
+
+    def run_serial(x: torch.Tensor) -> torch.Tensor:
+        torch.set_num_threads(1)
+        try:
+            return run(x)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run_serial if serial and threads > 1 else run
+
+
+_build_onednn = functools.partial(_onednn_kernel, lazy=False)
+_build_onednn_lazy = functools.partial(_onednn_kernel, lazy=True)
+_build_onednn_serial = functools.partial(_onednn_kernel, lazy=False, serial=True)
+
+
+@functools.cache
+def _onednn_bf16_available() -> bool:
+    """This torch has oneDNN's prepacked linear and the CPU multiplies bfloat16 in hardware."""
+    from engine.kernels.cpu import native_bf16
+
+    mkldnn = torch.ops.mkldnn
+    try:
+        ops = (mkldnn._reorder_linear_weight, mkldnn._linear_pointwise)
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(ops) and torch.backends.mkldnn.is_available() and native_bf16()
+
+
+def _has_onednn_bf16(layer: MatmulLayer) -> bool:
+    return (
+        layer.transposed
+        and layer.dtype == torch.bfloat16
+        and layer.storage.device.type == "cpu"
+        and _onednn_bf16_available()
+    )
+
+
 def _has_rows_gemm(layer: MatmulLayer) -> bool:
     if not (_cpu_fp32(layer) and layer.storage.device.type == "cpu"):
         return False
@@ -172,6 +238,20 @@ KERNELS: Mapping[str, KernelSpec] = MappingProxyType(
             "rows_gemm.c on packed W^T panels; F.linear above ROWS_MAX rows",
             _has_rows_gemm,
             _build_rows,
+        ),
+        "onednn": KernelSpec(
+            "onednn",
+            "oneDNN matmul on W prepacked in its blocked layout (CPU bfloat16 with AVX512_BF16 "
+            "or AMX-BF16)",
+            _has_onednn_bf16,
+            _build_onednn,
+        ),
+        "onednn-serial": KernelSpec(
+            "onednn-serial",
+            "the onednn kernel on the calling thread alone: where waking the thread pool costs "
+            "more than a decode-sized product (a host whose cores are busy)",
+            _has_onednn_bf16,
+            _build_onednn_serial,
         ),
     }
 )
@@ -201,9 +281,12 @@ def default_plan(layer: MatmulLayer) -> dict[int, tuple[str, KernelFn]]:
     """The kernels a layer uses until selection, as ``{M bucket: (name, kernel)}`` (bucket = the
     largest M it serves, the largest bucket serving every M above too): CPU fp32 layers get the
     "rows" kernel, packed at its first call, for M = 1 to 64 and ``F.linear`` above (for every
-    M where rows_gemm.c cannot be built); other dtypes and devices get ``F.linear`` for every
-    M."""
+    M where rows_gemm.c cannot be built); CPU bfloat16 layers on a CPU with bfloat16
+    instructions get the "onednn" kernel, packed at its first call, for every M; other dtypes
+    and devices get ``F.linear`` for every M."""
     if _cpu_fp32(layer) and layer.storage.device.type == "cpu":
         shared: dict[Any, Any] = {}
         return {m: (name, build(layer, shared)) for m, name, build in _cpu_default()}
+    if _has_onednn_bf16(layer):
+        return {1: ("onednn", _build_onednn_lazy(layer, {}))}
     return {1: ("torch", torch_kernel(layer))}

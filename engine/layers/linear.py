@@ -31,8 +31,9 @@ class Linear(torch.nn.Module):
     layout and the kernel are private.
 
     Until a plan is installed (``install``), CPU fp32 layers use the "rows" kernel for M = 1 to
-    64 and ``F.linear`` above (`engine.kernels.matmul.default_plan`); other dtypes and devices use
-    ``F.linear``.
+    64 and ``F.linear`` above (`engine.kernels.matmul.default_plan`); CPU bf16 layers use oneDNN
+    on a prepacked copy of W where the CPU has bfloat16 instructions; other dtypes and devices
+    use ``F.linear``.
     Weights must be written through ``load_rows`` / ``load_bias`` (which bump
     ``weights_version``), or before the first ``forward``: kernels that hold a re-laid-out copy
     make it again only when the version changes.
