@@ -4,47 +4,31 @@ log-softmax of those processed scores)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.request import Request
 from engine.sampling.batch_rules import (
+    CANDIDATE_WIDTHS,
     StepParams,
     apply_eos_rules,
     filtered_candidates,
     penalised_scores,
 )
+from engine.sampling.choices import Choices, TokenLogprobs, detail_tensor, details_of
+from engine.sampling.greedy_choice import greedy_choices, is_plain_greedy
 from engine.sampling.keyed_draw import keyed_sample_at, keys_of
 from engine.sampling.logits_processor import sorted_logprobs
 from engine.sampling.params import SamplingParams
 
+__all__ = ["Choices", "Sampler", "TokenLogprobs", "detail_tensor", "details_of",
+           "greedy_choices", "is_plain_greedy", "sample_with_details"]  # fmt: skip
 
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Details of one chosen token: its logprob, its 1-based rank (1 + the number of tokens
-    with a strictly greater processed score) and the top candidates, sorted by logprob
-    descending (ties: lower id first): every token scoring at least the n-th highest finite
-    score, capped at 4n."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top_token_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
-
-
-@dataclass
-class Choices:
-    """One step's choice for each of M rows: the token (-1 where it failed), its details when
-    the row's params ask for `logprobs`, and the error that failed the row (None when chosen)."""
-
-    token_ids: list[int]  # [M]
-    details: list[TokenLogprobs | None]  # [M]
-    errors: list[str | None]  # [M]
+CHUNK_ROWS = 32
+"""Rows a CPU chooses at a time: their vocabulary-wide temporaries stay small enough to be
+reused from the allocator instead of mapped afresh."""
 
 
 def sample_with_details(
@@ -66,8 +50,47 @@ def sample_with_details(
     and the position only. The batch costs one host-to-device copy (the rows' parameters) and
     one device-to-host copy (tokens, flags and details), unless a row's top-k ties beyond its
     candidates: such rows are chosen again over the whole vocabulary."""
-    return _choose(logits, params, seeds, positions, past_token_ids, num_generated,
-                   eos_token_ids, full=False)  # fmt: skip
+    num_rows = len(params)
+    if logits.device.type != "cpu" or num_rows <= CHUNK_ROWS:
+        return _choose(logits, params, seeds, positions, past_token_ids, num_generated,
+                       eos_token_ids, 0)  # fmt: skip
+    choices = Choices([], [], [])
+    for start in range(0, num_rows, CHUNK_ROWS):
+        rows = slice(start, start + CHUNK_ROWS)
+        part = _choose(logits[rows], params[rows], seeds[rows], positions[rows],
+                       past_token_ids[rows], None if num_generated is None else num_generated[rows],
+                       None if eos_token_ids is None else eos_token_ids[rows], 0)  # fmt: skip
+        choices.token_ids += part.token_ids
+        choices.details += part.details
+        choices.errors += part.errors
+    return choices
+
+
+def _groups(params: Sequence[SamplingParams], vocab: int, wide: int, cpu: bool) -> list[list[int]]:
+    """The rows `_choose` processes (all but plain greedy ones), and among those (as indices
+    into them) the greedy rows and the sampled rows by candidates: top-k, top-p, typical-p
+    alone (on a CPU) and the whole vocabulary (every sampled row when `wide` is 2)."""
+    processed = [
+        i for i, p in enumerate(params)
+        if not (p.greedy and p.repetition_penalty == 1.0 and not p.logprobs)
+    ]  # fmt: skip
+    groups: list[list[int]] = [processed, [], [], [], [], []]
+    for j, i in enumerate(processed):
+        p = params[i]
+        if p.greedy:
+            kind = 1
+        elif wide == 2:
+            kind = 5
+        elif 0 < p.top_k < vocab:
+            kind = 2
+        elif p.top_p < 1.0:
+            kind = 3
+        elif p.typical_p < 1.0 and cpu:
+            kind = 4
+        else:
+            kind = 5
+        groups[kind].append(j)
+    return groups
 
 
 def _choose(
@@ -78,28 +101,13 @@ def _choose(
     past_token_ids: Sequence[Sequence[int]],
     num_generated: Sequence[int] | None,
     eos_token_ids: Sequence[frozenset[int]] | None,
-    full: bool,
+    wide: int,
 ) -> Choices:
-    """`sample_with_details`; `full`: every sampled row's candidates are the whole vocabulary."""
+    """`sample_with_details` with candidates of try `wide` (`CANDIDATE_WIDTHS`; 2: the whole
+    vocabulary for every sampled row); rows these cannot decide are chosen again, wider."""
     num_rows, vocab = len(params), logits.shape[-1]
-    processed = [
-        i for i, p in enumerate(params)
-        if not (p.greedy and p.repetition_penalty == 1.0 and not p.logprobs)
-    ]  # fmt: skip
-    greedy = [j for j, i in enumerate(processed) if params[i].greedy]
-    top_k = [
-        j for j, i in enumerate(processed)
-        if not params[i].greedy and 0 < params[i].top_k < vocab and not full
-    ]  # fmt: skip
-    nucleus = [
-        j for j, i in enumerate(processed)
-        if not params[i].greedy and j not in set(top_k) and params[i].top_p < 1.0 and not full
-    ]  # fmt: skip
-    whole = [
-        j for j, i in enumerate(processed)
-        if not params[i].greedy and j not in set(top_k) | set(nucleus)
-    ]  # fmt: skip
-    groups = [processed, greedy, top_k, nucleus, whole]
+    groups = _groups(params, vocab, wide, logits.device.type == "cpu")
+    processed, greedy = groups[0], groups[1]
     step = StepParams.build(params, seeds, positions, past_token_ids, num_generated,
                             eos_token_ids, groups, logits.device)  # fmt: skip
     if step.has_eos_rule:
@@ -130,11 +138,9 @@ def _choose(
                 logp = chosen.log_softmax(-1)
                 parts.append(_details(chosen, logp, tokens, values, ids, logp.gather(1, ids)))
             reads.append((rows, -1 if width is None else width, False))
-        for group, index, candidates in (
-            (top_k, step.groups[2], "top_k"),
-            (nucleus, step.groups[3], "top_p"),
-            (whole, step.groups[4], "all"),
-        ):
+        # top-k rows pick their own width; the whole-vocabulary rows have none
+        widths = (vocab, CANDIDATE_WIDTHS[min(wide, 1)], CANDIDATE_WIDTHS[-1], None)
+        for group, index, width in zip(groups[2:], step.groups[2:], widths, strict=True):
             if not group:
                 continue
             rows = [processed[j] for j in group]
@@ -144,21 +150,21 @@ def _choose(
                 scores if every else scores[index],
                 sub,
                 [params[i] for i in rows],
-                candidates,
+                width,
             )
             drawn = keyed_sample_at(c.scores, c.token_ids, keys_of(sub.rows[:, 6:9].long()))
             tokens = c.token_ids.gather(1, drawn[:, None])[:, 0]
             # NaN, an infinite maximum (+inf: overflow, -inf: nothing left): no distribution
             invalid = c.scores.isnan().any(-1) | ~c.scores.amax(-1).isfinite()
             parts += [tokens.double(), invalid.double(), c.overflow.double()]
-            width = _top_width([params[i] for i in rows], c.scores.shape[1])
-            if width is not None:
+            top = _top_width([params[i] for i in rows], c.scores.shape[1])
+            if top is not None:
                 logp = sorted_logprobs(c.scores)
                 parts.append(
-                    _details(c.scores, logp, drawn, c.scores[:, :width], c.token_ids[:, :width],
-                             logp[:, :width])
+                    _details(c.scores, logp, drawn, c.scores[:, :top], c.token_ids[:, :top],
+                             logp[:, :top])
                 )  # fmt: skip
-            reads.append((rows, -1 if width is None else width, True))
+            reads.append((rows, -1 if top is None else top, True))
     if parts:
         head += torch.cat([t.flatten() for t in parts]).tolist()  # the one copy to the host
     flat = head
@@ -201,7 +207,8 @@ def _choose(
         if choices.errors[i] is not None:
             choices.token_ids[i], choices.details[i] = -1, None
     if overflow:
-        _choose_again(choices, overflow, logits, params, seeds, positions, past_token_ids)
+        _choose_again(choices, overflow, logits, params, seeds, positions, past_token_ids,
+                      wide + 1)  # fmt: skip
     return choices
 
 
@@ -235,110 +242,17 @@ def _choose_again(
     seeds: Sequence[int | None],
     positions: Sequence[int],
     past_token_ids: Sequence[Sequence[int]],
+    wide: int,
 ) -> None:
-    """Choose `rows` again with the whole vocabulary as candidates, into `choices`."""
+    """Choose `rows` again with candidates of try `wide`, into `choices`."""
     sub = logits[torch.tensor(rows, device=logits.device)]
     again = _choose(sub, [params[i] for i in rows], [seeds[i] for i in rows],
                     [positions[i] for i in rows], [past_token_ids[i] for i in rows],
-                    None, None, full=True)  # fmt: skip
+                    None, None, wide)  # fmt: skip
     for n, i in enumerate(rows):
         choices.token_ids[i] = again.token_ids[n]
         choices.details[i] = again.details[n]
         choices.errors[i] = again.errors[n]
-
-
-def is_plain_greedy(params: SamplingParams) -> bool:
-    """Whether a row's token is the argmax of its raw logits, EOS masked before
-    `min_new_tokens` and nothing else applied: greedy, no repetition or length penalty, no
-    logprobs (`greedy_choices` serves such rows)."""
-    return (
-        params.greedy
-        and params.repetition_penalty == 1.0
-        and params.length_penalty is None
-        and not params.logprobs
-    )
-
-
-def greedy_choices(
-    logits: torch.Tensor,  # [M, vocab] float32
-    masked_ids: Sequence[frozenset[int]],  # [M]: ids scored -inf in that row (empty: none)
-) -> Choices:
-    """`sample_with_details` for rows of `is_plain_greedy` requests whose `process_eos` would
-    only mask `masked_ids`: the same tokens and errors (the argmax, first index on ties; a row
-    holding NaN or +inf after masking fails), from one reduction over the rows and one
-    device-to-host copy (on a CPU, numpy on the calling thread). `logits` is not modified."""
-    num_rows = logits.shape[0]
-    error = "the model produced non-finite logits for this request"
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        # numpy's argmax runs on the calling thread: a torch reduction over a vocabulary-wide
-        # row wakes the intra-op thread pool, which costs more than the reduction on few rows.
-        scores = logits.numpy()  # [M, vocab], shares memory with `logits`
-        index = scores.argmax(axis=1)  # [M]: the first NaN if any, else the first maximum
-        # Masking only lowers scores, so it changes a row's choice only where that choice is a
-        # masked id: only such rows are chosen again, from a masked copy.
-        for i, ids in enumerate(masked_ids):
-            if ids and int(index[i]) in ids:
-                row = scores[i].copy()  # [vocab]
-                row[list(ids)] = -np.inf
-                index[i] = row.argmax()
-        values = scores[np.arange(num_rows), index]  # [M]: never at a masked id
-        flags = np.isnan(values) | np.isposinf(values)  # [M]
-        tokens, bad = index.tolist(), flags.tolist()
-    else:
-        rows = [i for i, ids in enumerate(masked_ids) for _ in ids]
-        cols = [t for ids in masked_ids for t in sorted(ids)]
-        if rows:
-            masked = torch.tensor([rows, cols], dtype=torch.int64)
-            if logits.device.type == "cuda":
-                masked = masked.pin_memory()
-            index = masked.to(logits.device, non_blocking=True)  # the one host-to-device copy
-            logits = logits.clone()
-            logits[index[0], index[1]] = float("-inf")
-        values_t, index_t = logits.max(dim=-1)  # [M] each: NaN wins the max
-        flat = torch.cat([index_t.double(), (values_t.isnan() | values_t.isposinf()).double()])
-        host = flat.tolist()  # the one copy to the host
-        tokens, bad = [int(t) for t in host[:num_rows]], host[num_rows:]
-    choices = Choices(tokens, [None] * num_rows, [None] * num_rows)
-    for i in range(num_rows):
-        if bad[i]:
-            choices.token_ids[i], choices.errors[i] = -1, error
-    return choices
-
-
-def detail_tensor(
-    scores: torch.Tensor,  # [vocab] processed scores
-    token: torch.Tensor | int,  # the chosen token, [] on the scores' device or an int
-    top_n: int,
-) -> torch.Tensor:  # float64 [2 + 3k]: logprob, rank - 1, k top scores, their ids, logprobs
-    """A chosen token's details on the device, for `details_of` to read once on the host; k is
-    min(4 * top_n, vocab), 0 without top_n."""
-    logp = scores.log_softmax(-1)
-    k = min(4 * top_n, scores.shape[-1]) if top_n > 0 else 0
-    values, ids = torch.topk(scores, k)
-    head = torch.stack([logp[token].double(), (scores > scores[token]).sum().double()])
-    return torch.cat([head, values.double(), ids.double(), logp[ids].double()])
-
-
-def details_of(token_id: int, flat: Sequence[float], top_n: int) -> TokenLogprobs:
-    """`TokenLogprobs` from a `detail_tensor` read on the host."""
-    k = (len(flat) - 2) // 3
-    values, ids, logps = flat[2 : 2 + k], flat[2 + k : 2 + 2 * k], flat[2 + 2 * k :]
-    finite = [v for v in values if math.isfinite(v)]
-    top: list[tuple[int, float]] = []
-    if top_n > 0 and finite:
-        nth = finite[min(top_n, len(finite)) - 1]
-        top = sorted(
-            ((int(i), lp) for v, i, lp in zip(values, ids, logps, strict=True)
-             if math.isfinite(v) and v >= nth),
-            key=lambda x: (-x[1], x[0]),
-        )  # fmt: skip
-    return TokenLogprobs(
-        token_id,
-        flat[0],
-        int(flat[1]) + 1,
-        tuple(i for i, _ in top),
-        tuple(lp for _, lp in top),
-    )
 
 
 class Sampler:
