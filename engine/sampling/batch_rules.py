@@ -29,9 +29,8 @@ from engine.sampling.logits_processor import (
 from engine.sampling.params import SamplingParams
 
 CANDIDATE_WIDTHS = (512, 4096)
-"""Candidates of a row with top-p or typical-p and no top-k, first and second try (typical-p
-alone starts with the second): a row they do not decide (`Candidates.overflow`) tries the next,
-then the whole vocabulary."""
+"""Candidates of a row with top-p or typical-p and no top-k, first and second try: a row they
+do not decide (`Candidates.overflow`) tries the next, then the whole vocabulary."""
 
 TIE_MARGIN = 8
 """Candidates beyond the largest top-k: a row whose last candidate still ties its k-th score
@@ -172,13 +171,12 @@ def _normalised_total(scores: torch.Tensor) -> torch.Tensor:  # [M, 1]
 
 
 def _certain_sum(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 value [M, 1] of each row's float64 sum of `terms` [M, V] taken in any order
-    (a CPU `cumsum` accumulates float32 in float64), and whether it is certain [M, 1]: any two
-    orders differ by at most 2 (V - 1) 2**-53 sum|terms|, so the value is certain when both
-    ends of that interval round to the same float32."""
-    wide = terms.double()
-    total = wide.sum(-1, keepdim=True)
-    margin = wide.abs().sum(-1, keepdim=True) * (2.0 * terms.shape[-1] * 2.0**-53 * 1.001)
+    """The float32 value [M, 1] of each row's float64 sum of `terms` [M, V] (all of one sign)
+    taken in any order (a CPU `cumsum` accumulates float32 in float64), and whether it is
+    certain [M, 1]: any two orders differ by at most 2 (V - 1) 2**-53 |sum|, so the value is
+    certain when both ends of that interval round to the same float32."""
+    total = terms.sum(-1, keepdim=True, dtype=torch.float64)
+    margin = total.abs() * (2.0 * terms.shape[-1] * 2.0**-53 * 1.001)
     low, high = (total - margin).float(), (total + margin).float()
     return total.float(), low == high
 
@@ -223,6 +221,7 @@ class Candidates:
     scores: torch.Tensor
     token_ids: torch.Tensor
     overflow: torch.Tensor
+    whole: bool = False  # the rows' scores as they are: every token, in id order
 
 
 def filtered_candidates(
@@ -243,7 +242,7 @@ def filtered_candidates(
         # nothing filtered and no details: the scores as they are (the draw ignores the order)
         ids = torch.arange(vocab, device=scores.device).expand(scores.shape[0], vocab)
         no_overflow = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-        return Candidates(scores, ids, no_overflow)
+        return Candidates(scores, ids, no_overflow, whole=True)
     if width is None:
         values, ids = scores.sort(dim=-1, descending=True, stable=True)
     else:
@@ -290,4 +289,7 @@ def filtered_candidates(
         else:
             drop = typical_cut(values, mass.float())[0]
         values = values.masked_fill(drop & (mass < 1.0), -math.inf)
+        if any(p.logprobs for p in params):  # typical-p may drop the best: sorted again
+            values, order = values.sort(dim=-1, descending=True, stable=True)
+            ids = ids.gather(1, order)
     return Candidates(values, ids, overflow)

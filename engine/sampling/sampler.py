@@ -19,7 +19,7 @@ from engine.sampling.batch_rules import (
 )
 from engine.sampling.choices import Choices, TokenLogprobs, detail_tensor, details_of
 from engine.sampling.greedy_choice import greedy_choices, is_plain_greedy
-from engine.sampling.keyed_draw import keyed_sample_at, keys_of
+from engine.sampling.keyed_draw import keyed_sample_at, keyed_sample_rows, keys_of
 from engine.sampling.logits_processor import sorted_logprobs
 from engine.sampling.params import SamplingParams
 
@@ -27,8 +27,10 @@ __all__ = ["Choices", "Sampler", "TokenLogprobs", "detail_tensor", "details_of",
            "greedy_choices", "is_plain_greedy", "sample_with_details"]  # fmt: skip
 
 CHUNK_ROWS = 32
-"""Rows a CPU chooses at a time: their vocabulary-wide temporaries stay small enough to be
-reused from the allocator instead of mapped afresh."""
+"""Rows a CPU chooses at a time, on the calling thread only (`torch.set_num_threads(1)`
+around it, restored after, as the attention backend does for small work): their
+vocabulary-wide temporaries stay small enough to be reused from the allocator instead of mapped
+afresh, and no operation waits for a pool thread on a busy core."""
 
 
 def sample_with_details(
@@ -48,22 +50,28 @@ def sample_with_details(
 
     A sampled row's token is the keyed draw of its processed scores, so it depends on the seed
     and the position only. The batch costs one host-to-device copy (the rows' parameters) and
-    one device-to-host copy (tokens, flags and details), unless a row's top-k ties beyond its
-    candidates: such rows are chosen again over the whole vocabulary."""
-    num_rows = len(params)
-    if logits.device.type != "cpu" or num_rows <= CHUNK_ROWS:
+    one device-to-host copy (tokens, flags and details), unless a row's candidates cannot
+    decide its rules (`Candidates.overflow`): such rows are chosen again among more candidates,
+    at last the whole vocabulary. A CPU chooses `CHUNK_ROWS` rows at a time."""
+    if logits.device.type != "cpu":
         return _choose(logits, params, seeds, positions, past_token_ids, num_generated,
                        eos_token_ids, 0)  # fmt: skip
-    choices = Choices([], [], [])
-    for start in range(0, num_rows, CHUNK_ROWS):
-        rows = slice(start, start + CHUNK_ROWS)
-        part = _choose(logits[rows], params[rows], seeds[rows], positions[rows],
-                       past_token_ids[rows], None if num_generated is None else num_generated[rows],
-                       None if eos_token_ids is None else eos_token_ids[rows], 0)  # fmt: skip
-        choices.token_ids += part.token_ids
-        choices.details += part.details
-        choices.errors += part.errors
-    return choices
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        choices = Choices([], [], [])
+        for start in range(0, len(params), CHUNK_ROWS):
+            rows = slice(start, start + CHUNK_ROWS)
+            part = _choose(logits[rows], params[rows], seeds[rows], positions[rows],
+                           past_token_ids[rows],
+                           None if num_generated is None else num_generated[rows],
+                           None if eos_token_ids is None else eos_token_ids[rows], 0)  # fmt: skip
+            choices.token_ids += part.token_ids
+            choices.details += part.details
+            choices.errors += part.errors
+        return choices
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _groups(params: Sequence[SamplingParams], vocab: int, wide: int, cpu: bool) -> list[list[int]]:
@@ -139,7 +147,7 @@ def _choose(
                 parts.append(_details(chosen, logp, tokens, values, ids, logp.gather(1, ids)))
             reads.append((rows, -1 if width is None else width, False))
         # top-k rows pick their own width; the whole-vocabulary rows have none
-        widths = (vocab, CANDIDATE_WIDTHS[min(wide, 1)], CANDIDATE_WIDTHS[-1], None)
+        widths = (vocab, CANDIDATE_WIDTHS[min(wide, 1)], CANDIDATE_WIDTHS[min(wide, 1)], None)
         for group, index, width in zip(groups[2:], step.groups[2:], widths, strict=True):
             if not group:
                 continue
@@ -152,7 +160,11 @@ def _choose(
                 [params[i] for i in rows],
                 width,
             )
-            drawn = keyed_sample_at(c.scores, c.token_ids, keys_of(sub.rows[:, 6:9].long()))
+            keys = keys_of(sub.rows[:, 6:9].long())
+            if c.whole:
+                drawn = keyed_sample_rows(c.scores, keys)
+            else:
+                drawn = keyed_sample_at(c.scores, c.token_ids, keys)
             tokens = c.token_ids.gather(1, drawn[:, None])[:, 0]
             # NaN, an infinite maximum (+inf: overflow, -inf: nothing left): no distribution
             invalid = c.scores.isnan().any(-1) | ~c.scores.amax(-1).isfinite()
