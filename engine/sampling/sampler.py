@@ -5,6 +5,7 @@ log-softmax of those processed scores)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -54,18 +55,29 @@ def sample_with_details(
     decide its rules (`Candidates.overflow`): such rows are chosen again among more candidates,
     at last the whole vocabulary. A CPU chooses `CHUNK_ROWS` rows at a time."""
     if logits.device.type != "cpu":
-        return _choose(logits, params, seeds, positions, past_token_ids, num_generated,
-                       eos_token_ids, 0)  # fmt: skip
+        launched = _launch(logits, params, seeds, positions, past_token_ids, num_generated,
+                           eos_token_ids, 0)  # fmt: skip
+        flat = torch.cat([t.flatten() for t in launched.parts]).tolist()  # the one copy
+        return _finish(launched, flat, params, seeds, positions, past_token_ids)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        chunks = [
+            _launch(logits[rows], params[rows], seeds[rows], positions[rows], past_token_ids[rows],
+                    None if num_generated is None else num_generated[rows],
+                    None if eos_token_ids is None else eos_token_ids[rows], 0)
+            for rows in (slice(i, i + CHUNK_ROWS) for i in range(0, len(params), CHUNK_ROWS))
+        ]  # fmt: skip
+        parts = [t.flatten() for chunk in chunks for t in chunk.parts]
+        flat = torch.cat(parts).tolist() if parts else []  # the one copy to the host
         choices = Choices([], [], [])
-        for start in range(0, len(params), CHUNK_ROWS):
-            rows = slice(start, start + CHUNK_ROWS)
-            part = _choose(logits[rows], params[rows], seeds[rows], positions[rows],
-                           past_token_ids[rows],
-                           None if num_generated is None else num_generated[rows],
-                           None if eos_token_ids is None else eos_token_ids[rows], 0)  # fmt: skip
+        offset = 0
+        for rows, chunk in zip(range(0, len(params), CHUNK_ROWS), chunks, strict=True):
+            size = sum(t.numel() for t in chunk.parts)
+            part = _finish(chunk, flat[offset : offset + size], params[rows : rows + CHUNK_ROWS],
+                           seeds[rows : rows + CHUNK_ROWS], positions[rows : rows + CHUNK_ROWS],
+                           past_token_ids[rows : rows + CHUNK_ROWS])  # fmt: skip
+            offset += size
             choices.token_ids += part.token_ids
             choices.details += part.details
             choices.errors += part.errors
@@ -75,7 +87,7 @@ def sample_with_details(
 
 
 def _groups(params: Sequence[SamplingParams], vocab: int, wide: int, cpu: bool) -> list[list[int]]:
-    """The rows `_choose` processes (all but plain greedy ones), and among those (as indices
+    """The rows `_launch` processes (all but plain greedy ones), and among those (as indices
     into them) the greedy rows and the sampled rows by candidates: top-k, top-p, typical-p
     alone (on a CPU) and the whole vocabulary (every sampled row when `wide` is 2)."""
     processed = [
@@ -101,7 +113,20 @@ def _groups(params: Sequence[SamplingParams], vocab: int, wide: int, cpu: bool) 
     return groups
 
 
-def _choose(
+@dataclass
+class _Launched:
+    """One batch's choices computed, not yet read: `head` the host's part (on a CPU, the rows'
+    argmax and flags), `parts` the tensors to read, `reads` what each holds (rows, detail
+    width or -1, sampled), `logits` after the EOS rules, `wide` the candidates' try."""
+
+    head: list[float]
+    parts: list[torch.Tensor]
+    reads: list[tuple[list[int], int, bool]]
+    logits: torch.Tensor
+    wide: int
+
+
+def _launch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     seeds: Sequence[int | None],
@@ -110,9 +135,9 @@ def _choose(
     num_generated: Sequence[int] | None,
     eos_token_ids: Sequence[frozenset[int]] | None,
     wide: int,
-) -> Choices:
-    """`sample_with_details` with candidates of try `wide` (`CANDIDATE_WIDTHS`; 2: the whole
-    vocabulary for every sampled row); rows these cannot decide are chosen again, wider."""
+) -> _Launched:
+    """`sample_with_details`'s work on the device, with candidates of try `wide`
+    (`CANDIDATE_WIDTHS`; 2: the whole vocabulary for every sampled row)."""
     num_rows, vocab = len(params), logits.shape[-1]
     groups = _groups(params, vocab, wide, logits.device.type == "cpu")
     processed, greedy = groups[0], groups[1]
@@ -177,15 +202,27 @@ def _choose(
                              logp[:, :top])
                 )  # fmt: skip
             reads.append((rows, -1 if top is None else top, True))
-    if parts:
-        head += torch.cat([t.flatten() for t in parts]).tolist()  # the one copy to the host
-    flat = head
+    return _Launched(head, parts, reads, logits, wide)
+
+
+def _finish(
+    launched: _Launched,
+    read: list[float],  # `launched.parts` read on the host
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int | None],
+    positions: Sequence[int],
+    past_token_ids: Sequence[Sequence[int]],
+) -> Choices:
+    """The choices of a `_launch`ed batch; rows its candidates cannot decide are chosen again,
+    among wider candidates."""
+    num_rows = len(params)
+    flat = launched.head + read
     choices = Choices([int(t) for t in flat[:num_rows]], [None] * num_rows, [None] * num_rows)
     flags = flat[num_rows : 2 * num_rows]
     no_distribution: set[int] = set()
     overflow: list[int] = []
     offset = 2 * num_rows
-    for rows, width, sampled in reads:
+    for rows, width, sampled in launched.reads:
         m = len(rows)
         for i, token in zip(rows, flat[offset : offset + m], strict=True):
             choices.token_ids[i] = int(token)
@@ -219,8 +256,8 @@ def _choose(
         if choices.errors[i] is not None:
             choices.token_ids[i], choices.details[i] = -1, None
     if overflow:
-        _choose_again(choices, overflow, logits, params, seeds, positions, past_token_ids,
-                      wide + 1)  # fmt: skip
+        _choose_again(choices, overflow, launched.logits, params, seeds, positions,
+                      past_token_ids, launched.wide + 1)  # fmt: skip
     return choices
 
 
@@ -258,9 +295,10 @@ def _choose_again(
 ) -> None:
     """Choose `rows` again with candidates of try `wide`, into `choices`."""
     sub = logits[torch.tensor(rows, device=logits.device)]
-    again = _choose(sub, [params[i] for i in rows], [seeds[i] for i in rows],
-                    [positions[i] for i in rows], [past_token_ids[i] for i in rows],
-                    None, None, wide)  # fmt: skip
+    args = ([params[i] for i in rows], [seeds[i] for i in rows], [positions[i] for i in rows],
+            [past_token_ids[i] for i in rows])  # fmt: skip
+    launched = _launch(sub, *args, None, None, wide)
+    again = _finish(launched, torch.cat([t.flatten() for t in launched.parts]).tolist(), *args)
     for n, i in enumerate(rows):
         choices.token_ids[i] = again.token_ids[n]
         choices.details[i] = again.details[n]
