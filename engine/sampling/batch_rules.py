@@ -28,7 +28,7 @@ from engine.sampling.logits_processor import (
 )
 from engine.sampling.params import SamplingParams
 
-CANDIDATE_WIDTHS = (512, 4096)
+CANDIDATE_WIDTHS = (256, 4096)
 """Candidates of a row with top-p or typical-p and no top-k, first and second try: a row they
 do not decide (`Candidates.overflow`) tries the next, then the whole vocabulary."""
 
@@ -264,7 +264,11 @@ def filtered_candidates(
         top_p = step.rows[:, 3:4]
         no_top_k = (step.rows[:, 2:3] <= 0) | (step.rows[:, 2:3] >= vocab)  # [m, 1]
         total = None
-        if not all(with_top_k):
+        if not all(with_top_k) and partial and scores.device.type == "cpu":
+            shifted = scores - scores.amax(-1, keepdim=True)
+            total, certain = _certain_sum(shifted.exp())  # `id_order_total`, where certain
+            overflow = overflow | ~certain[:, 0]
+        elif not all(with_top_k):
             total = id_order_total(scores)
             if any(with_top_k):
                 total = torch.where(no_top_k, total, _normalised_total(values))

@@ -87,29 +87,26 @@ def sample_with_details(
 
 
 def _groups(params: Sequence[SamplingParams], vocab: int, wide: int, cpu: bool) -> list[list[int]]:
-    """The rows `_launch` processes (all but plain greedy ones), and among those (as indices
-    into them) the greedy rows and the sampled rows by candidates: top-k, top-p, typical-p
-    alone (on a CPU) and the whole vocabulary (every sampled row when `wide` is 2)."""
-    processed = [
-        i for i, p in enumerate(params)
-        if not (p.greedy and p.repetition_penalty == 1.0 and not p.logprobs)
-    ]  # fmt: skip
-    groups: list[list[int]] = [processed, [], [], [], [], []]
-    for j, i in enumerate(processed):
-        p = params[i]
+    """The rows `_launch` processes (all but plain greedy ones): the greedy rows and the sampled
+    rows by candidates: top-k, top-p, typical-p alone (on a CPU) and the whole vocabulary (every
+    sampled row when `wide` is 2)."""
+    groups: list[list[int]] = [[], [], [], [], []]
+    for i, p in enumerate(params):
+        if p.greedy and p.repetition_penalty == 1.0 and not p.logprobs:
+            continue
         if p.greedy:
-            kind = 1
+            kind = 0
         elif wide == 2:
-            kind = 5
-        elif 0 < p.top_k < vocab:
-            kind = 2
-        elif p.top_p < 1.0:
-            kind = 3
-        elif p.typical_p < 1.0 and cpu:
             kind = 4
+        elif 0 < p.top_k < vocab:
+            kind = 1
+        elif p.top_p < 1.0:
+            kind = 2
+        elif p.typical_p < 1.0 and cpu:
+            kind = 3
         else:
-            kind = 5
-        groups[kind].append(j)
+            kind = 4
+        groups[kind].append(i)
     return groups
 
 
@@ -140,7 +137,6 @@ def _launch(
     (`CANDIDATE_WIDTHS`; 2: the whole vocabulary for every sampled row)."""
     num_rows, vocab = len(params), logits.shape[-1]
     groups = _groups(params, vocab, wide, logits.device.type == "cpu")
-    processed, greedy = groups[0], groups[1]
     step = StepParams.build(params, seeds, positions, past_token_ids, num_generated,
                             eos_token_ids, groups, logits.device)  # fmt: skip
     if step.has_eos_rule:
@@ -156,35 +152,26 @@ def _launch(
         parts += [index_t.double(), (values_t.isnan() | values_t.isposinf()).double()]
         head = []
     reads: list[tuple[list[int], int, bool]] = []  # rows, detail width, sampled
-    if processed:
-        every = len(processed) == num_rows
-        rules = step if every else step.select(step.groups[0])  # [P] rows' parameters
-        scores = penalised_scores(logits, None if every else step.groups[0], rules)
-        if greedy:
-            rows = [processed[j] for j in greedy]
-            chosen = scores if len(greedy) == len(processed) else scores[step.groups[1]]
-            tokens = chosen.argmax(-1)
-            parts.append(tokens.double())
-            width = _top_width([params[i] for i in rows], vocab)
-            if width is not None:
-                values, ids = chosen.topk(width, -1)
-                logp = chosen.log_softmax(-1)
-                parts.append(_details(chosen, logp, tokens, values, ids, logp.gather(1, ids)))
-            reads.append((rows, -1 if width is None else width, False))
+    if any(groups):
         # top-k rows pick their own width; the whole-vocabulary rows have none
         widths = (vocab, CANDIDATE_WIDTHS[min(wide, 1)], CANDIDATE_WIDTHS[min(wide, 1)], None)
-        for group, index, width in zip(groups[2:], step.groups[2:], widths, strict=True):
-            if not group:
+        for kind, (rows, index) in enumerate(zip(groups, step.groups, strict=True)):
+            if not rows:
                 continue
-            rows = [processed[j] for j in group]
-            every = len(group) == len(processed)
-            sub = rules if every else rules.select(index)
-            c = filtered_candidates(
-                scores if every else scores[index],
-                sub,
-                [params[i] for i in rows],
-                width,
-            )
+            every = len(rows) == num_rows
+            sub = step if every else step.select(index)  # the rows' parameters
+            scores = penalised_scores(logits, None if every else index, sub)
+            if kind == 0:  # greedy
+                tokens = scores.argmax(-1)
+                parts.append(tokens.double())
+                width = _top_width([params[i] for i in rows], vocab)
+                if width is not None:
+                    values, ids = scores.topk(width, -1)
+                    logp = scores.log_softmax(-1)
+                    parts.append(_details(scores, logp, tokens, values, ids, logp.gather(1, ids)))
+                reads.append((rows, -1 if width is None else width, False))
+                continue
+            c = filtered_candidates(scores, sub, [params[i] for i in rows], widths[kind - 1])
             keys = keys_of(sub.rows[:, 6:9].long())
             if c.whole:
                 drawn = keyed_sample_rows(c.scores, keys)
