@@ -3,10 +3,11 @@
 The step's per-row parameters (temperatures, top-k, top-p, typical-p, penalties, EOS rules, draw
 keys, the penalised ids) travel to the device in one copy (`StepParams`). The rules then run as
 batched tensor operations, with no read back to the host. A sampled row is filtered in its
-candidate space: with top-k, the k best tokens (and a few more, to see ties at the k-th score),
-else the whole vocabulary; the candidates are sorted descending, ties by token id, so top-p and
-typical-p see exactly the order `process_logits` sorts into, and the keyed draw's noise is
-computed at the candidates only.
+candidate space, the leading part of the order `process_logits` sorts into (descending, ties by
+token id): with top-k, the k best tokens (and a few more, to see ties at the k-th score); with
+top-p or typical-p, the best `CANDIDATE_WIDTHS`, kept only where they provably give the whole
+vocabulary's result (`Candidates.overflow` marks the others, to be chosen again wider); with no
+rule, the whole vocabulary unsorted. The keyed draw's noise is computed at the candidates only.
 """
 
 from __future__ import annotations
