@@ -3,10 +3,11 @@
 The step's per-row parameters (temperatures, top-k, top-p, typical-p, penalties, EOS rules, draw
 keys, the penalised ids) travel to the device in one copy (`StepParams`). The rules then run as
 batched tensor operations, with no read back to the host. A sampled row is filtered in its
-candidate space: with top-k, the k best tokens (and a few more, to see ties at the k-th score),
-else the whole vocabulary; the candidates are sorted descending, ties by token id, so top-p and
-typical-p see exactly the order `process_logits` sorts into, and the keyed draw's noise is
-computed at the candidates only.
+candidate space, the leading part of the order `process_logits` sorts into (descending, ties by
+token id): with top-k, the k best tokens (and a few more, to see ties at the k-th score); with
+top-p or typical-p, the best `CANDIDATE_WIDTHS`, kept only where they provably give the whole
+vocabulary's result (`Candidates.overflow` marks the others, to be chosen again wider); with no
+rule, the whole vocabulary unsorted. The keyed draw's noise is computed at the candidates only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.host_copy import to_device
@@ -24,13 +26,13 @@ from engine.sampling.logits_processor import (
     _eos_factor,
     id_order_total,
     top_p_drop,
-    typical_drop,
+    typical_cut,
 )
 from engine.sampling.params import SamplingParams
 
-NUCLEUS_CANDIDATES = 1024
-"""Candidates of a row with top-p and no top-k: a row whose nucleus reaches the last of them
-is chosen again over the whole vocabulary (`Candidates.overflow`)."""
+CANDIDATE_WIDTHS = (256, 4096)
+"""Candidates of a row with top-p or typical-p and no top-k, first and second try: a row they
+do not decide (`Candidates.overflow`) tries the next, then the whole vocabulary."""
 
 TIE_MARGIN = 8
 """Candidates beyond the largest top-k: a row whose last candidate still ties its k-th score
@@ -167,67 +169,130 @@ def _normalised_total(scores: torch.Tensor) -> torch.Tensor:  # [M, 1]
     return (scores - scores[:, :1]).exp().cumsum(-1)[:, -1:]
 
 
+def _certain_sum(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 value [M, 1] of each row's float64 sum of `terms` [M, V] (all of one sign)
+    taken in any order (a CPU `cumsum` accumulates float32 in float64), and whether it is
+    certain [M, 1]: any two orders differ by at most 2 (V - 1) 2**-53 |sum|, so the value is
+    certain when both ends of that interval round to the same float32."""
+    total = terms.sum(-1, keepdim=True, dtype=torch.float64)
+    margin = total.abs() * (2.0 * terms.shape[-1] * 2.0**-53 * 1.001)
+    low, high = (total - margin).float(), (total + margin).float()
+    return total.float(), low == high
+
+
+def _vocabulary_sums(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`typical_cut`'s normaliser and entropy [M, 1] of whole rows [M, vocab] (the sums
+    `process_logits` takes in descending order), without sorting, and whether both are certain
+    [M, 1] (`_certain_sum`)."""
+    shifted = scores - scores.amax(-1, keepdim=True)
+    e = shifted.exp()
+    total, certain = _certain_sum(e)
+    probs, logp = e / total, shifted - total.log()
+    plogp, certain_h = _certain_sum(torch.where(probs > 0, probs * logp, 0.0))
+    return total, -plogp, certain & certain_h
+
+
+def best_candidates(
+    scores: torch.Tensor,  # [m, vocab]
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [m, width] scores, [m, width] int64 token ids
+    """The `width` best scores of each row sorted descending, ties by token id (among the
+    chosen: the ids of a tie at the last score are any of the tied ones), and their ids."""
+    if scores.device.type == "cpu" and width * 64 > scores.shape[-1]:
+        # torch's top-k sorts the whole row for such widths: select with numpy instead
+        raw = scores.numpy()
+        ids = torch.from_numpy(np.argpartition(raw, -width, axis=1)[:, -width:])
+    else:
+        ids = scores.topk(width, -1).indices
+    ids = ids.sort(-1).values
+    values, by_value = scores.gather(1, ids).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, by_value)
+
+
 @dataclass
 class Candidates:
     """Sampled rows' filtered scores [m, C] sorted descending (ties by token id, -inf where
     filtered out; in token id order when no row filters or asks for details), their token ids
-    [m, C], and `overflow` [m]: the row may keep more tokens than its candidates (ties at the
-    k-th score, or a nucleus reaching the last candidate)."""
+    [m, C], and `overflow` [m]: the candidates may not decide the row's rules (ties at the k-th
+    score, a nucleus or typical set reaching beyond them, a sum whose rounding depends on
+    order); such a row must be chosen again among more candidates."""
 
     scores: torch.Tensor
     token_ids: torch.Tensor
     overflow: torch.Tensor
+    whole: bool = False  # the rows' scores as they are: every token, in id order
 
 
 def filtered_candidates(
     scores: torch.Tensor,  # [m, vocab] after temperature
     step: StepParams,  # the m rows' parameters
     params: Sequence[SamplingParams],  # [m]
-    candidates: str,  # "top_k" (every row has one), "top_p" (every row has it, none top-k), "all"
+    width: int | None,  # candidates per row; None: the whole vocabulary
 ) -> Candidates:
     """Top-k, top-p and typical-p of the rows, each rule only on rows that set it, among the
-    rows' candidates: the best of their top-k (and `TIE_MARGIN` more), the best
-    `NUCLEUS_CANDIDATES`, or the whole vocabulary."""
-    full = candidates == "all"
+    rows' candidates: the best of their top-k (and `TIE_MARGIN` more) when every row has a
+    top-k, else the best `width`, or the whole vocabulary. Rows given `width` candidates must
+    all set top-k, or all set top-p, or all set typical-p alone (its normaliser and entropy
+    are then summed over the whole row on a CPU, as `process_logits` sums them sorted)."""
     vocab = scores.shape[-1]
-    if full and not any(0 < p.top_k < vocab or p.top_p < 1.0 or p.typical_p < 1.0 or p.logprobs
-                        for p in params):  # fmt: skip
+    with_top_k = [0 < p.top_k < vocab for p in params]
+    if width is None and not any(any(with_top_k) or p.top_p < 1.0 or p.typical_p < 1.0
+                                 or p.logprobs for p in params):  # fmt: skip
         # nothing filtered and no details: the scores as they are (the draw ignores the order)
         ids = torch.arange(vocab, device=scores.device).expand(scores.shape[0], vocab)
         no_overflow = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-        return Candidates(scores, ids, no_overflow)
-    if full:
+        return Candidates(scores, ids, no_overflow, whole=True)
+    if width is None:
         values, ids = scores.sort(dim=-1, descending=True, stable=True)
     else:
-        width = NUCLEUS_CANDIDATES if candidates == "top_p" else max(p.top_k for p in params)
-        width = min(vocab, width + TIE_MARGIN)
-        values, ids = scores.topk(width, -1)
-        ids, by_id = ids.sort(-1)
-        values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
-        ids = ids.gather(1, by_value)
+        if all(with_top_k):
+            width = max(p.top_k for p in params) + TIE_MARGIN
+        values, ids = best_candidates(scores, min(vocab, width))
     overflow = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
-    if any(0 < p.top_k < vocab for p in params):
+    partial = values.shape[1] < vocab
+    sorted_values, last = values, values[:, -1:]  # no token beyond them scores above `last`
+    if any(with_top_k):
         top_k = step.rows[:, 2:3].long()
-        with_top_k = (top_k > 0) & (top_k < vocab)
+        has_top_k = (top_k > 0) & (top_k < vocab)
         kth = values.gather(1, (top_k - 1).clamp(0, values.shape[1] - 1))
-        kth = torch.where(with_top_k, kth, -math.inf)
+        kth = torch.where(has_top_k, kth, -math.inf)
         values = values.masked_fill(values < kth, -math.inf)
-        if values.shape[1] < vocab:
-            overflow = with_top_k[:, 0] & (values[:, -1] >= kth[:, 0])
+        if partial:
+            overflow = has_top_k[:, 0] & (last[:, 0] >= kth[:, 0])
     if any(p.top_p < 1.0 for p in params):
         top_p = step.rows[:, 3:4]
         no_top_k = (step.rows[:, 2:3] <= 0) | (step.rows[:, 2:3] >= vocab)  # [m, 1]
         total = None
-        if any(not 0 < p.top_k < vocab for p in params):
+        if not all(with_top_k) and partial and scores.device.type == "cpu":
+            shifted = scores - scores.amax(-1, keepdim=True)
+            total, certain = _certain_sum(shifted.exp())  # `id_order_total`, where certain
+            overflow = overflow | ~certain[:, 0]
+        elif not all(with_top_k):
             total = id_order_total(scores)
-            if any(0 < p.top_k < vocab for p in params):
+            if any(with_top_k):
                 total = torch.where(no_top_k, total, _normalised_total(values))
         drop = top_p_drop(values, top_p.float(), total) & (top_p < 1.0)
         values = values.masked_fill(drop, -math.inf)
-        if candidates == "top_p" and values.shape[1] < vocab:
-            overflow = overflow | ~drop[:, -1]
+        if partial and not all(with_top_k):
+            # the nucleus must end before the tokens tied at the last score (which of those
+            # are candidates is arbitrary): at the last candidate scoring above it
+            above = (sorted_values > last).sum(-1, keepdim=True)
+            ends = drop.gather(1, (above - 1).clamp(min=0)) & (above > 0)
+            overflow = overflow | ~ends[:, 0]
     if any(p.typical_p < 1.0 for p in params):
         mass = step.rows[:, 4:5]
-        drop = typical_drop(values, mass.float()) & (mass < 1.0)
-        values = values.masked_fill(drop, -math.inf)
+        if partial and not any(with_top_k) and all(p.top_p == 1.0 for p in params):
+            total, entropy, certain = _vocabulary_sums(scores)
+            drop, cut, below, shifted = typical_cut(values, mass.float(), total, entropy)
+            # every token beyond the candidates is at least as far from the entropy as the
+            # last candidate when its surprise is above the entropy
+            surprise = total.log() - (last - values[:, :1])
+            decided = certain & (below < values.shape[1]) & (cut < shifted[:, -1:])
+            overflow = overflow | ~(decided & (surprise >= entropy))[:, 0]
+        else:
+            drop = typical_cut(values, mass.float())[0]
+        values = values.masked_fill(drop & (mass < 1.0), -math.inf)
+        if any(p.logprobs for p in params):  # typical-p may drop the best: sorted again
+            values, order = values.sort(dim=-1, descending=True, stable=True)
+            ids = ids.gather(1, order)
     return Candidates(values, ids, overflow)

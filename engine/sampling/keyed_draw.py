@@ -109,3 +109,33 @@ def keyed_sample_at(
     (ties in score + noise aside), with noise computed at the C tokens only."""
     gumbel = -torch.log(-torch.log(uniform_at(keys, token_ids)))
     return (scores.float() + gumbel).argmax(dim=-1)
+
+
+GUMBEL_MAX = 17.0
+"""Above the largest noise `uniform_at` can give: -log(-log(1 - 2**-24)) = 16.64."""
+
+
+def keyed_sample_rows(
+    scores: torch.Tensor,  # [M, vocab] processed scores, every token a candidate
+    keys: torch.Tensor,  # [M] `keys_of` the rows' (seed, position)
+) -> torch.Tensor:  # [M] int64 token ids
+    """`keyed_sample` with `keys`. On a CPU the noise is computed only at the tokens that can
+    win: a token scoring s can reach at most s + `GUMBEL_MAX`, and the winner reaches at least
+    the row's best score plus that token's noise."""
+    every = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
+    if scores.device.type != "cpu":
+        return keyed_sample_at(scores, every, keys)
+    best = scores.argmax(-1, keepdim=True)  # [M, 1]
+    noise = -torch.log(-torch.log(uniform_at(keys, best)))
+    reached = scores.gather(1, best) + noise  # [M, 1]: no winner stays below it
+    can_win = scores + GUMBEL_MAX >= reached
+    if int(can_win.sum()) * 4 > can_win.numel():  # flat rows: the whole rows cost less
+        return keyed_sample_at(scores, every, keys)
+    rows, cols = can_win.nonzero(as_tuple=True)  # row-major order
+    noise = -torch.log(-torch.log(uniform_at(keys[rows], cols[:, None])))[:, 0]
+    values = scores[rows, cols] + noise  # [N]
+    most = torch.full_like(scores[:, 0], -torch.inf).scatter_reduce_(0, rows, values, "amax")
+    first = values == most[rows]  # ties: the lowest id, as `argmax` takes the first
+    return torch.zeros_like(best[:, 0]).scatter_reduce_(
+        0, rows[first], cols[first], "amin", include_self=False
+    )

@@ -105,12 +105,14 @@ def process_logits(
 
 def _normalised(
     scores: torch.Tensor,  # [M, C] sorted descending
+    total: torch.Tensor | None = None,  # [M, 1] the normaliser (None: over these C, in order)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [M, C] probabilities, [M, C] log-probabilities
     """softmax and log_softmax of rows sorted descending, with their sum taken in order
     (`cumsum`), so that a row's leading values give the same results whatever -inf follow."""
     shifted = scores - scores[:, :1]
     e = shifted.exp()
-    total = e.cumsum(-1)[:, -1:]
+    if total is None:
+        total = e.cumsum(-1)[:, -1:]
     return e / total, shifted - total.log()
 
 
@@ -142,11 +144,25 @@ def typical_drop(
 ) -> torch.Tensor:  # [M, C] bool
     """HF's TypicalLogitsWarper: keep the tokens whose surprise is closest to the entropy, up to
     `mass` probability (at least one); the others are dropped."""
-    probs, logp = _normalised(scores)
-    entropy = -torch.where(probs > 0, probs * logp, 0.0).cumsum(-1)[:, -1:]
+    return typical_cut(scores, mass)[0]
+
+
+def typical_cut(
+    scores: torch.Tensor,  # [M, C] sorted descending, ties by token id
+    mass: float | torch.Tensor,  # a number, or [M, 1]
+    total: torch.Tensor | None = None,  # [M, 1] the softmax normaliser (None: over these C)
+    entropy: torch.Tensor | None = None,  # [M, 1] the entropy (None: over these C, in order)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`typical_drop` [M, C], with what shows whether C leading candidates of a longer row
+    decide it: the largest kept surprise distance [M, 1], the number of tokens whose cumulative
+    probability (in distance order) stays below `mass` [M, 1], and the distances [M, C]."""
+    probs, logp = _normalised(scores, total)
+    if entropy is None:
+        entropy = -torch.where(probs > 0, probs * logp, 0.0).cumsum(-1)[:, -1:]
     shifted = (-logp - entropy).abs()
     sorted_shifted, order = shifted.sort(dim=-1, stable=True)
     cum = probs.gather(1, order).cumsum(-1)
-    last = (cum < mass).sum(-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
-    drop = shifted > sorted_shifted.gather(1, last)
-    return drop.scatter(1, order[:, :1], False)
+    below = (cum < mass).sum(-1, keepdim=True)
+    cut = sorted_shifted.gather(1, below.clamp(max=scores.shape[-1] - 1))
+    drop = (shifted > cut).scatter(1, order[:, :1], False)
+    return drop, cut, below, shifted

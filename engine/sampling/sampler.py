@@ -4,8 +4,7 @@ log-softmax of those processed scores)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,69 +14,34 @@ from engine.host_copy import to_device
 from engine.request import Request
 from engine.sampling.additive_penalties import apply_additive_penalties
 from engine.sampling.batch_rules import (
+    CANDIDATE_WIDTHS,
     StepParams,
     apply_eos_rules,
     filtered_candidates,
     penalised_scores,
 )
-from engine.sampling.keyed_draw import keyed_sample_at, keys_of
+from engine.sampling.choices import (
+    Choices,
+    ChoiceSteps,
+    PendingChoices,
+    TokenLogprobs,
+    detail_tensor,
+    details_of,
+    read_choices,
+)
+from engine.sampling.greedy_choice import greedy_choice_steps, greedy_choices, is_plain_greedy
+from engine.sampling.keyed_draw import keyed_sample_at, keyed_sample_rows, keys_of
 from engine.sampling.logits_processor import sorted_logprobs
 from engine.sampling.params import SamplingParams
 
+__all__ = ["Choices", "PendingChoices", "Sampler", "TokenLogprobs", "detail_tensor",
+           "details_of", "greedy_choices", "is_plain_greedy", "sample_with_details"]  # fmt: skip
 
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Details of one chosen token: its logprob, its 1-based rank (1 + the number of tokens
-    with a strictly greater processed score) and the top candidates, sorted by logprob
-    descending (ties: lower id first): every token scoring at least the n-th highest finite
-    score, capped at 4n."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top_token_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
-
-
-@dataclass
-class Choices:
-    """One step's choice for each of M rows: the token (-1 where it failed), its details when
-    the row's params ask for `logprobs`, and the error that failed the row (None when chosen)."""
-
-    token_ids: list[int]  # [M]
-    details: list[TokenLogprobs | None]  # [M]
-    errors: list[str | None]  # [M]
-
-
-_Steps = Generator[tuple[torch.Tensor | None, torch.Tensor | None], list[float], Choices]
-"""A choice in two parts: it yields each row's token on the device (or None) and the float64
-values the host needs (or None), is sent those values read on the host, and returns the
-`Choices`."""
-
-
-class PendingChoices:
-    """A step's choices computed on the device, not yet read: `token_ids` [M] int64 on the
-    device, when asked for, holds each row's token (meaningless for a row that fails; a row
-    chosen again after the read may end with another); `values` the float64 values `finish`
-    needs from the host (None: none), to be read in one copy with whatever else the step
-    reads."""
-
-    def __init__(self, steps: _Steps) -> None:
-        self._steps = steps
-        self.token_ids, self.values = next(steps)
-
-    def finish(self, values: list[float]) -> Choices:
-        """The choices, from `values` read on the host (empty when `values` is None)."""
-        try:
-            self._steps.send(values)
-        except StopIteration as done:
-            return done.value
-        raise AssertionError("a choice reads the device once")
-
-
-def _read(steps: _Steps) -> Choices:
-    pending = PendingChoices(steps)
-    return pending.finish([] if pending.values is None else pending.values.tolist())
+CHUNK_ROWS = 32
+"""Rows a CPU chooses at a time, on the calling thread only (`torch.set_num_threads(1)`
+around it, restored after, as the attention backend does for small work): their
+vocabulary-wide temporaries stay small enough to be reused from the allocator instead of mapped
+afresh, and no operation waits for a pool thread on a busy core."""
 
 
 def sample_with_details(
@@ -91,19 +55,19 @@ def sample_with_details(
     generated_token_ids: Sequence[Sequence[int]] | None = None,  # [M]: None: no additive rule
 ) -> Choices:
     """One token per row, plus its details for rows whose params ask for `logprobs`: every
-    rule of `logits_processor` (`process_eos` when `num_generated` is given, then the
+    rule of `logits_processor` (`process_eos` when `num_generated` is given, then
     `additive_penalties` when `generated_token_ids` is given, then `process_logits`) applied
-    to all rows at once (`batch_rules`). A row fails alone, with an error and token -1, when
-    its logits hold NaN or +inf or its scores are no longer a distribution; the other rows are
-    unaffected.
+    to all rows at once (`batch_rules`). A row fails alone, with an error and token -1,
+    when its logits hold NaN or +inf or its scores are no longer a distribution; the other rows
+    are unaffected.
 
     A sampled row's token is the keyed draw of its processed scores, so it depends on the seed
     and the position only. The batch costs one host-to-device copy (the rows' parameters) and
-    one device-to-host copy (tokens, flags and details), unless a row's top-k ties beyond its
-    candidates: such rows are chosen again over the whole vocabulary."""
-    return _read(_choose(logits, params, seeds, positions, past_token_ids, num_generated,
-                         eos_token_ids, full=False, row_tokens=False,
-                         generated_token_ids=generated_token_ids))  # fmt: skip
+    one device-to-host copy (tokens, flags and details), unless a row's candidates cannot
+    decide its rules (`Candidates.overflow`): such rows are chosen again among more candidates,
+    at last the whole vocabulary. A CPU chooses `CHUNK_ROWS` rows at a time."""
+    return read_choices(_choose(logits, params, seeds, positions, past_token_ids, num_generated,
+                                eos_token_ids, False, generated_token_ids))  # fmt: skip
 
 
 def _choose(
@@ -114,31 +78,107 @@ def _choose(
     past_token_ids: Sequence[Sequence[int]],
     num_generated: Sequence[int] | None,
     eos_token_ids: Sequence[frozenset[int]] | None,
-    full: bool,
     row_tokens: bool,
-    generated_token_ids: Sequence[Sequence[int]] | None = None,
-) -> _Steps:
-    """`sample_with_details`; `full`: every sampled row's candidates are the whole vocabulary;
-    `row_tokens`: yield the rows' tokens on the device (see `PendingChoices`)."""
+    generated_token_ids: Sequence[Sequence[int]] | None,
+) -> ChoiceSteps:
+    """`sample_with_details` in two parts (`ChoiceSteps`); `row_tokens`: yield the rows' tokens
+    on the device."""
+    if logits.device.type != "cpu":
+        launched = _launch(logits, params, seeds, positions, past_token_ids, num_generated,
+                           eos_token_ids, 0, row_tokens, generated_token_ids)  # fmt: skip
+        values = torch.cat([t.flatten() for t in launched.parts]) if launched.parts else None
+        read = yield launched.token_ids, values
+        return _finish(launched, read, params, seeds, positions, past_token_ids)
+    starts = range(0, len(params), CHUNK_ROWS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        chunks = [
+            _launch(logits[rows], params[rows], seeds[rows], positions[rows], past_token_ids[rows],
+                    None if num_generated is None else num_generated[rows],
+                    None if eos_token_ids is None else eos_token_ids[rows], 0, row_tokens,
+                    None if generated_token_ids is None else generated_token_ids[rows])
+            for rows in (slice(i, i + CHUNK_ROWS) for i in starts)
+        ]  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    parts = [t.flatten() for chunk in chunks for t in chunk.parts]
+    tokens = [c.token_ids for c in chunks if c.token_ids is not None]
+    read = yield (torch.cat(tokens) if tokens else None), (torch.cat(parts) if parts else None)
+    torch.set_num_threads(1)
+    try:
+        choices = Choices([], [], [])
+        offset = 0
+        for i, chunk in zip(starts, chunks, strict=True):
+            rows = slice(i, i + CHUNK_ROWS)
+            size = sum(t.numel() for t in chunk.parts)
+            part = _finish(chunk, read[offset : offset + size], params[rows], seeds[rows],
+                           positions[rows], past_token_ids[rows])  # fmt: skip
+            offset += size
+            choices.token_ids += part.token_ids
+            choices.details += part.details
+            choices.errors += part.errors
+        return choices
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _groups(params: Sequence[SamplingParams], vocab: int, wide: int, cpu: bool) -> list[list[int]]:
+    """The rows `_launch` processes (all but plain greedy ones): the greedy rows and the sampled
+    rows by candidates: top-k, top-p, typical-p alone (on a CPU) and the whole vocabulary (every
+    sampled row when `wide` is 2)."""
+    groups: list[list[int]] = [[], [], [], [], []]
+    for i, p in enumerate(params):
+        if p.greedy and p.repetition_penalty == 1.0 and not p.logprobs:
+            continue
+        if p.greedy:
+            kind = 0
+        elif wide == 2:
+            kind = 4
+        elif 0 < p.top_k < vocab:
+            kind = 1
+        elif p.top_p < 1.0:
+            kind = 2
+        elif p.typical_p < 1.0 and cpu:
+            kind = 3
+        else:
+            kind = 4
+        groups[kind].append(i)
+    return groups
+
+
+@dataclass
+class _Launched:
+    """One batch's choices computed, not yet read: `head` the host's part (on a CPU, the rows'
+    argmax and flags), `parts` the tensors to read, `reads` what each holds (rows, detail
+    width or -1, sampled), `logits` after the EOS and additive rules, `wide` the candidates'
+    try, `token_ids` each row's token on the device (when asked for)."""
+
+    head: list[float]
+    parts: list[torch.Tensor]
+    reads: list[tuple[list[int], int, bool]]
+    logits: torch.Tensor
+    wide: int
+    token_ids: torch.Tensor | None
+
+
+def _launch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int | None],
+    positions: Sequence[int],
+    past_token_ids: Sequence[Sequence[int]],
+    num_generated: Sequence[int] | None,
+    eos_token_ids: Sequence[frozenset[int]] | None,
+    wide: int,
+    row_tokens: bool,
+    generated_token_ids: Sequence[Sequence[int]] | None,
+) -> _Launched:
+    """`sample_with_details`'s work on the device, with candidates of try `wide`
+    (`CANDIDATE_WIDTHS`; 2: the whole vocabulary for every sampled row); `row_tokens`: each
+    row's token on the device too."""
     num_rows, vocab = len(params), logits.shape[-1]
-    processed = [
-        i for i, p in enumerate(params)
-        if not (p.greedy and p.repetition_penalty == 1.0 and not p.logprobs)
-    ]  # fmt: skip
-    greedy = [j for j, i in enumerate(processed) if params[i].greedy]
-    top_k = [
-        j for j, i in enumerate(processed)
-        if not params[i].greedy and 0 < params[i].top_k < vocab and not full
-    ]  # fmt: skip
-    nucleus = [
-        j for j, i in enumerate(processed)
-        if not params[i].greedy and j not in set(top_k) and params[i].top_p < 1.0 and not full
-    ]  # fmt: skip
-    whole = [
-        j for j, i in enumerate(processed)
-        if not params[i].greedy and j not in set(top_k) | set(nucleus)
-    ]  # fmt: skip
-    groups = [processed, greedy, top_k, nucleus, whole]
+    groups = _groups(params, vocab, wide, logits.device.type == "cpu")
     step = StepParams.build(params, seeds, positions, past_token_ids, num_generated,
                             eos_token_ids, groups, logits.device)  # fmt: skip
     if step.has_eos_rule:
@@ -158,67 +198,68 @@ def _choose(
         head = []
         tokens_d = index_t.clone() if row_tokens else None
     reads: list[tuple[list[int], int, bool]] = []  # rows, detail width, sampled
-    if processed:
-        every = len(processed) == num_rows
-        rules = step if every else step.select(step.groups[0])  # [P] rows' parameters
-        scores = penalised_scores(logits, None if every else step.groups[0], rules)
-        if greedy:
-            rows = [processed[j] for j in greedy]
-            chosen = scores if len(greedy) == len(processed) else scores[step.groups[1]]
-            tokens = chosen.argmax(-1)
-            parts.append(tokens.double())
-            if tokens_d is not None:
-                at = (
-                    step.groups[0]
-                    if len(greedy) == len(processed)
-                    else step.groups[0][step.groups[1]]
-                )
-                tokens_d.index_copy_(0, at, tokens)
-            width = _top_width([params[i] for i in rows], vocab)
-            if width is not None:
-                values, ids = chosen.topk(width, -1)
-                logp = chosen.log_softmax(-1)
-                parts.append(_details(chosen, logp, tokens, values, ids, logp.gather(1, ids)))
-            reads.append((rows, -1 if width is None else width, False))
-        for group, index, candidates in (
-            (top_k, step.groups[2], "top_k"),
-            (nucleus, step.groups[3], "top_p"),
-            (whole, step.groups[4], "all"),
-        ):
-            if not group:
+    if any(groups):
+        # top-k rows pick their own width; the whole-vocabulary rows have none
+        widths = (vocab, CANDIDATE_WIDTHS[min(wide, 1)], CANDIDATE_WIDTHS[min(wide, 1)], None)
+        for kind, (rows, index) in enumerate(zip(groups, step.groups, strict=True)):
+            if not rows:
                 continue
-            rows = [processed[j] for j in group]
-            every = len(group) == len(processed)
-            sub = rules if every else rules.select(index)
-            c = filtered_candidates(
-                scores if every else scores[index],
-                sub,
-                [params[i] for i in rows],
-                candidates,
-            )
-            drawn = keyed_sample_at(c.scores, c.token_ids, keys_of(sub.rows[:, 6:9].long()))
+            every = len(rows) == num_rows
+            sub = step if every else step.select(index)  # the rows' parameters
+            scores = penalised_scores(logits, None if every else index, sub)
+            if kind == 0:  # greedy
+                tokens = scores.argmax(-1)
+                parts.append(tokens.double())
+                if tokens_d is not None:
+                    tokens_d.index_copy_(0, index, tokens)
+                width = _top_width([params[i] for i in rows], vocab)
+                if width is not None:
+                    values, ids = scores.topk(width, -1)
+                    logp = scores.log_softmax(-1)
+                    parts.append(_details(scores, logp, tokens, values, ids, logp.gather(1, ids)))
+                reads.append((rows, -1 if width is None else width, False))
+                continue
+            c = filtered_candidates(scores, sub, [params[i] for i in rows], widths[kind - 1])
+            keys = keys_of(sub.rows[:, 6:9].long())
+            if c.whole:
+                drawn = keyed_sample_rows(c.scores, keys)
+            else:
+                drawn = keyed_sample_at(c.scores, c.token_ids, keys)
             tokens = c.token_ids.gather(1, drawn[:, None])[:, 0]
             if tokens_d is not None:
-                tokens_d.index_copy_(0, step.groups[0] if every else step.groups[0][index], tokens)
+                tokens_d.index_copy_(0, index, tokens)
             # NaN, an infinite maximum (+inf: overflow, -inf: nothing left): no distribution
             invalid = c.scores.isnan().any(-1) | ~c.scores.amax(-1).isfinite()
             parts += [tokens.double(), invalid.double(), c.overflow.double()]
-            width = _top_width([params[i] for i in rows], c.scores.shape[1])
-            if width is not None:
+            top = _top_width([params[i] for i in rows], c.scores.shape[1])
+            if top is not None:
                 logp = sorted_logprobs(c.scores)
                 parts.append(
-                    _details(c.scores, logp, drawn, c.scores[:, :width], c.token_ids[:, :width],
-                             logp[:, :width])
+                    _details(c.scores, logp, drawn, c.scores[:, :top], c.token_ids[:, :top],
+                             logp[:, :top])
                 )  # fmt: skip
-            reads.append((rows, -1 if width is None else width, True))
-    head += yield tokens_d, torch.cat([t.flatten() for t in parts]) if parts else None
-    flat = head
+            reads.append((rows, -1 if top is None else top, True))
+    return _Launched(head, parts, reads, logits, wide, tokens_d)
+
+
+def _finish(
+    launched: _Launched,
+    read: list[float],  # `launched.parts` read on the host
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int | None],
+    positions: Sequence[int],
+    past_token_ids: Sequence[Sequence[int]],
+) -> Choices:
+    """The choices of a `_launch`ed batch; rows its candidates cannot decide are chosen again,
+    among wider candidates."""
+    num_rows = len(params)
+    flat = launched.head + read
     choices = Choices([int(t) for t in flat[:num_rows]], [None] * num_rows, [None] * num_rows)
     flags = flat[num_rows : 2 * num_rows]
     no_distribution: set[int] = set()
     overflow: list[int] = []
     offset = 2 * num_rows
-    for rows, width, sampled in reads:
+    for rows, width, sampled in launched.reads:
         m = len(rows)
         for i, token in zip(rows, flat[offset : offset + m], strict=True):
             choices.token_ids[i] = int(token)
@@ -252,7 +293,8 @@ def _choose(
         if choices.errors[i] is not None:
             choices.token_ids[i], choices.details[i] = -1, None
     if overflow:
-        _choose_again(choices, overflow, logits, params, seeds, positions, past_token_ids)
+        _choose_again(choices, overflow, launched.logits, params, seeds, positions,
+                      past_token_ids, launched.wide + 1)  # fmt: skip
     return choices
 
 
@@ -286,116 +328,18 @@ def _choose_again(
     seeds: Sequence[int | None],
     positions: Sequence[int],
     past_token_ids: Sequence[Sequence[int]],
+    wide: int,
 ) -> None:
-    """Choose `rows` again with the whole vocabulary as candidates, into `choices`."""
+    """Choose `rows` again with candidates of try `wide`, into `choices`."""
     sub = logits[to_device(torch.tensor(rows), logits.device)]
-    again = _read(_choose(sub, [params[i] for i in rows], [seeds[i] for i in rows],
-                          [positions[i] for i in rows], [past_token_ids[i] for i in rows],
-                          None, None, full=True, row_tokens=False))  # fmt: skip
+    args = ([params[i] for i in rows], [seeds[i] for i in rows], [positions[i] for i in rows],
+            [past_token_ids[i] for i in rows])  # fmt: skip
+    launched = _launch(sub, *args, None, None, wide, False, None)
+    again = _finish(launched, torch.cat([t.flatten() for t in launched.parts]).tolist(), *args)
     for n, i in enumerate(rows):
         choices.token_ids[i] = again.token_ids[n]
         choices.details[i] = again.details[n]
         choices.errors[i] = again.errors[n]
-
-
-def is_plain_greedy(params: SamplingParams) -> bool:
-    """Whether a row's token is the argmax of its raw logits, EOS masked before
-    `min_new_tokens` and nothing else applied: greedy, no repetition or length penalty, no
-    additive rule, no logprobs (`greedy_choices` serves such rows)."""
-    return (
-        params.greedy
-        and params.repetition_penalty == 1.0
-        and params.length_penalty is None
-        and not params.logprobs
-        and not params.has_additive_rules
-    )
-
-
-def greedy_choices(
-    logits: torch.Tensor,  # [M, vocab] float32
-    masked_ids: Sequence[frozenset[int]],  # [M]: ids scored -inf in that row (empty: none)
-) -> Choices:
-    """`sample_with_details` for rows of `is_plain_greedy` requests whose `process_eos` would
-    only mask `masked_ids`: the same tokens and errors (the argmax, first index on ties; a row
-    holding NaN or +inf after masking fails), from one reduction over the rows and one
-    device-to-host copy (on a CPU, numpy on the calling thread). `logits` is not modified."""
-    return _read(_greedy_choices(logits, masked_ids, row_tokens=False))
-
-
-def _greedy_choices(
-    logits: torch.Tensor, masked_ids: Sequence[frozenset[int]], row_tokens: bool
-) -> _Steps:
-    """`greedy_choices`; `row_tokens` as for `_choose`."""
-    num_rows = logits.shape[0]
-    error = "the model produced non-finite logits for this request"
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        # numpy's argmax runs on the calling thread: a torch reduction over a vocabulary-wide
-        # row wakes the intra-op thread pool, which costs more than the reduction on few rows.
-        scores = logits.numpy()  # [M, vocab], shares memory with `logits`
-        index = scores.argmax(axis=1)  # [M]: the first NaN if any, else the first maximum
-        # Masking only lowers scores, so it changes a row's choice only where that choice is a
-        # masked id: only such rows are chosen again, from a masked copy.
-        for i, ids in enumerate(masked_ids):
-            if ids and int(index[i]) in ids:
-                row = scores[i].copy()  # [vocab]
-                row[list(ids)] = -np.inf
-                index[i] = row.argmax()
-        values = scores[np.arange(num_rows), index]  # [M]: never at a masked id
-        flags = np.isnan(values) | np.isposinf(values)  # [M]
-        tokens, bad = index.tolist(), flags.tolist()
-        yield (torch.from_numpy(index) if row_tokens else None), None
-    else:
-        rows = [i for i, ids in enumerate(masked_ids) for _ in ids]
-        cols = [t for ids in masked_ids for t in sorted(ids)]
-        if rows:
-            index = to_device(torch.tensor([rows, cols]), logits.device)  # the one such copy
-            logits = logits.clone()
-            logits[index[0], index[1]] = float("-inf")
-        values_t, index_t = logits.max(dim=-1)  # [M] each: NaN wins the max
-        flat = torch.cat([index_t.double(), (values_t.isnan() | values_t.isposinf()).double()])
-        host = yield (index_t if row_tokens else None), flat
-        tokens, bad = [int(t) for t in host[:num_rows]], host[num_rows:]
-    choices = Choices(tokens, [None] * num_rows, [None] * num_rows)
-    for i in range(num_rows):
-        if bad[i]:
-            choices.token_ids[i], choices.errors[i] = -1, error
-    return choices
-
-
-def detail_tensor(
-    scores: torch.Tensor,  # [vocab] processed scores
-    token: torch.Tensor | int,  # the chosen token, [] on the scores' device or an int
-    top_n: int,
-) -> torch.Tensor:  # float64 [2 + 3k]: logprob, rank - 1, k top scores, their ids, logprobs
-    """A chosen token's details on the device, for `details_of` to read once on the host; k is
-    min(4 * top_n, vocab), 0 without top_n."""
-    logp = scores.log_softmax(-1)
-    k = min(4 * top_n, scores.shape[-1]) if top_n > 0 else 0
-    values, ids = torch.topk(scores, k)
-    head = torch.stack([logp[token].double(), (scores > scores[token]).sum().double()])
-    return torch.cat([head, values.double(), ids.double(), logp[ids].double()])
-
-
-def details_of(token_id: int, flat: Sequence[float], top_n: int) -> TokenLogprobs:
-    """`TokenLogprobs` from a `detail_tensor` read on the host."""
-    k = (len(flat) - 2) // 3
-    values, ids, logps = flat[2 : 2 + k], flat[2 + k : 2 + 2 * k], flat[2 + 2 * k :]
-    finite = [v for v in values if math.isfinite(v)]
-    top: list[tuple[int, float]] = []
-    if top_n > 0 and finite:
-        nth = finite[min(top_n, len(finite)) - 1]
-        top = sorted(
-            ((int(i), lp) for v, i, lp in zip(values, ids, logps, strict=True)
-             if math.isfinite(v) and v >= nth),
-            key=lambda x: (-x[1], x[0]),
-        )  # fmt: skip
-    return TokenLogprobs(
-        token_id,
-        flat[0],
-        int(flat[1]) + 1,
-        tuple(i for i, _ in top),
-        tuple(lp for _, lp in top),
-    )
 
 
 class Sampler:
@@ -413,7 +357,7 @@ class Sampler:
         """One token per row, as if the row's request already held `emitted[i]` after its own
         tokens (a draft path being verified), plus its details when its params ask for them;
         a row whose choice fails carries its error instead (see `sample_with_details`)."""
-        return _read(self._steps(logits, reqs, emitted, row_tokens=False))
+        return read_choices(self._steps(logits, reqs, emitted, row_tokens=False))
 
     def sample_on_device(
         self,
@@ -432,10 +376,10 @@ class Sampler:
         reqs: Sequence[Request],
         emitted: Sequence[Sequence[int]],
         row_tokens: bool,
-    ) -> _Steps:
+    ) -> ChoiceSteps:
         params = [r.sampling_params for r in reqs]
         if all(map(is_plain_greedy, params)):
-            return _greedy_choices(
+            return greedy_choice_steps(
                 logits,
                 [
                     r.eos_token_ids
@@ -458,9 +402,8 @@ class Sampler:
             ],
             [r.num_output_tokens + len(e) for r, e in zip(reqs, emitted, strict=True)],
             [r.eos_token_ids for r in reqs],
-            full=False,
-            row_tokens=row_tokens,
-            generated_token_ids=[
+            row_tokens,
+            [
                 [*r.output_token_ids, *e] if p.has_additive_rules else ()
                 for r, p, e in zip(reqs, params, emitted, strict=True)
             ],

@@ -61,3 +61,27 @@ def test_cpu_hash_equals_the_int64_hash() -> None:
     ids = torch.randint(0, 2**20, (len(seeds), 300), generator=torch.Generator().manual_seed(1))
     bits = _mix(_mix(keys[:, None] ^ ids) ^ keys[:, None]) >> 9
     assert torch.equal(uniform_at(keys, ids), (bits.float() + 0.5) / float(1 << 23))
+
+
+def test_draw_at_the_tokens_that_can_win() -> None:
+    """`keyed_sample_rows` (noise only where a token can still win) draws `keyed_sample`'s
+    tokens, over peaked and flat rows of a wide vocabulary and rows with filtered tokens."""
+    from engine.sampling.keyed_draw import keyed_sample_rows
+
+    g = torch.Generator().manual_seed(2)
+    scores = (
+        torch.randn(24, 49152, generator=g) * torch.tensor([0.1, 1.0, 4.0, 12.0]).repeat(6)[:, None]
+    )
+    scores[::5, 1000:] = float("-inf")
+    seeds, positions = list(range(24)), [7 * i for i in range(24)]
+    keys = row_keys(seeds, positions, torch.device("cpu"))
+    peaked = [i for i in range(24) if i % 4 >= 2]  # noise at few tokens of each row
+    for rows in (peaked, list(range(24))):
+        drawn = keyed_sample_rows(scores[rows], keys[rows])
+        assert (
+            drawn.tolist()
+            == keyed_sample(
+                scores[rows], [seeds[i] for i in rows], [positions[i] for i in rows]
+            ).tolist()
+        )
+        assert len(set(drawn.tolist())) > len(rows) * 3 // 4

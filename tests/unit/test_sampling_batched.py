@@ -5,6 +5,7 @@ same tokens, logprobs, ranks, top tokens and errors."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -135,3 +136,79 @@ def test_nucleus_candidates_and_their_overflow() -> None:
     batched = sample_with_details(*args)
     assert batched == choices_row_by_row(*args)
     assert -1 not in batched.token_ids
+
+
+def _wide_batch(vocab: int, num_rows: int, seed: int) -> torch.Tensor:
+    """Rows over a wide vocabulary, peaked (few tokens hold the mass) and flat (thousands do)
+    in turns, one with a tie of a hundred tokens at the 481st-580th scores."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab, generator=g)
+    logits[::2] *= 4
+    logits[1::2] *= 0.3
+    logits[2, :480] = 5.0
+    logits[2, 480:580] = 4.9
+    logits[2, 580:] = -10.0
+    return logits
+
+
+def test_wide_vocabulary_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More rows than a CPU chooses at a time, over a vocabulary wider than the candidates:
+    top-p, typical-p alone and with top-p, rules off, each with and without penalties and
+    details. Some rows are decided among their candidates, others chosen again wider (a flat
+    row's nucleus or typical set beyond them, a nucleus ending inside a tie at the last
+    candidate); all give the per-row oracle's choices."""
+    import engine.sampling.sampler as sampler_module
+
+    vocab, num_rows = 20000, 40
+    logits = _wide_batch(vocab, num_rows, 6)
+    kinds = [
+        {"top_p": 0.9},
+        {"typical_p": 0.9},
+        {"top_p": 0.95, "typical_p": 0.8},
+        {"typical_p": 0.3},
+        {},
+    ]
+    params = [
+        SamplingParams(temperature=0.7 + 0.05 * (i % 5), seed=i, **kinds[i % 5],
+                       repetition_penalty=1.2 if i % 3 == 0 else 1.0,
+                       logprobs=i % 4 == 1, top_n_tokens=2)
+        for i in range(num_rows)
+    ]  # fmt: skip
+    tie = (480 * math.exp(5.0) + 20 * math.exp(4.9)) / (
+        480 * math.exp(5.0) + 100 * math.exp(4.9) + (vocab - 580) * math.exp(-10.0)
+    )
+    params[2] = SamplingParams(temperature=1.0, top_p=tie, seed=2)
+    again: list[int] = []  # rows (of their chunk) chosen again at the second try
+    choose_again = sampler_module._choose_again
+
+    def counted(choices, rows, *args):  # type: ignore[no-untyped-def]
+        if args[-1] == 1:
+            again.extend(rows)
+        choose_again(choices, rows, *args)
+
+    monkeypatch.setattr(sampler_module, "_choose_again", counted)
+    past = [list(range(i, 3000, 97)) for i in range(num_rows)]
+    args = (logits, params, list(range(num_rows)), list(range(num_rows)), past,
+            [1] * num_rows, [EOS] * num_rows)  # fmt: skip
+    batched = sample_with_details(*args)
+    assert batched == choices_row_by_row(*args)
+    assert -1 not in batched.token_ids
+    assert 2 in again
+    assert 0 < len(again) < num_rows * 4 // 5
+
+
+def test_vocabulary_sums_equal_the_sorted_sums() -> None:
+    """Typical-p's normaliser and entropy summed in token id order equal the sums in
+    descending order (`process_logits`'s) wherever they are reported certain, as most are."""
+    from engine.sampling.batch_rules import _vocabulary_sums
+    from engine.sampling.logits_processor import _normalised
+
+    scores = _wide_batch(49152, 64, 7)
+    total, entropy, certain = _vocabulary_sums(scores)
+    ordered = scores.sort(dim=-1, descending=True).values
+    probs, logp = _normalised(ordered)
+    sorted_total = (ordered - ordered[:, :1]).exp().cumsum(-1)[:, -1:]
+    sorted_entropy = -torch.where(probs > 0, probs * logp, 0.0).cumsum(-1)[:, -1:]
+    assert int(certain.sum()) >= 60
+    assert torch.equal(total[certain], sorted_total[certain])
+    assert torch.equal(entropy[certain], sorted_entropy[certain])
