@@ -19,7 +19,8 @@ QuantKernel = Callable[[torch.Tensor], torch.Tensor]
 
 
 def int8_activations(device: torch.device, method: str) -> bool:
-    """Whether a layer of quantization `method` ("gptq", "int8") quantizes its input rows."""
+    """Whether a layer of quantization `method` ("gptq", "int8") quantizes its input rows: the
+    one place that rule lives (tests replace it to check the weight-only product on CPU)."""
     return device.type == "cpu" or method == "int8"
 
 
@@ -32,7 +33,7 @@ def quant_kernel(
 ) -> QuantKernel:
     """x [M, in] (any M, `dtype` on `device`) -> y [M, out] in `dtype`: x @ W.T + bias, with
     the activations quantized per row where `int8_activations` says so."""
-    int8 = int8_activations(device, method)
+    int8 = int8_activations(device, method)  # looked up at each build: see int8_activations
 
     def kernel(x: torch.Tensor) -> torch.Tensor:
         return reference_linear(x, weight, bias, int8_activations=int8).to(dtype)
