@@ -6,6 +6,7 @@ fake-quantized to int8 (the W?A8 product the CPU kernels compute)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -94,11 +95,30 @@ def fake_quant_rows(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> 
     return ((xq.to(torch.float32) * sx[:, None]).reshape(x.shape),)
 
 
+def fake_quant_slices(n: int) -> Callable[..., tuple[torch.Tensor]]:
+    """A forward pre-hook quantizing each of `n` equal column slices of the input rows on its
+    own: what `n` tensor-parallel ranks of a row-parallel layer each do with their slice."""
+
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        (x,) = args
+        parts = [fake_quant_rows(module, (c,))[0] for c in x.chunk(n, dim=-1)]
+        return (torch.cat(parts, dim=-1),)
+
+    return hook
+
+
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
 def oracle_model(
-    float_folder: Path, weights: dict[str, torch.Tensor], int8_activations: bool = True
+    float_folder: Path,
+    weights: dict[str, torch.Tensor],
+    int8_activations: bool = True,
+    num_shards: int = 1,
 ) -> PreTrainedModel:
     """transformers float32 with `weights` in place and, with `int8_activations`, every
-    projection's input fake-quantized (`fake_quant_rows`)."""
+    projection's input fake-quantized (`fake_quant_rows`; the row-parallel ones per shard's
+    slice with `num_shards` > 1)."""
     model = AutoModelForCausalLM.from_pretrained(str(float_folder), dtype=torch.float32).eval()
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -106,7 +126,9 @@ def oracle_model(
             params[name].copy_(w)
     if int8_activations:
         for name, module in model.named_modules():
-            if any(name.endswith(p) for p in PROJECTIONS):
+            if num_shards > 1 and name.endswith(ROW_PARALLEL):
+                module.register_forward_pre_hook(fake_quant_slices(num_shards))
+            elif name.endswith(PROJECTIONS):
                 module.register_forward_pre_hook(fake_quant_rows)
     return model
 

