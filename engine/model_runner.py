@@ -155,9 +155,10 @@ class ModelRunner:
             )
             self.graphs.capture()
         logger.info(
-            "loaded %s (%s, %s, attention %s, %d KV blocks of %d from %s)",
+            "loaded %s (%s%s, %s, attention %s, %d KV blocks of %d from %s)",
             self.model_path.name,
             self.dtype,
+            "" if self.quant is None else f", quantization {self.quant.describe()}",
             self.device,
             self.backend.name,
             self.num_blocks,
