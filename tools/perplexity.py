@@ -22,6 +22,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+import engine.quant.kernels
 from engine.llm import LLM
 from engine.paths import default_model_path
 from engine.sampling.params import SamplingParams
@@ -77,7 +78,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--texts", type=int, default=8, help="held-out prompts answered")
     p.add_argument("--answer-tokens", type=int, default=64, help="greedy tokens per answer")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/specserve-perplexity"))
+    p.add_argument(
+        "--weight-only",
+        action="store_true",
+        help="float activations (CUDA's GPTQ product) instead of CPU's int8 ones, to separate "
+        "the weights' share of the loss",
+    )
     a = p.parse_args(argv)
+    if a.weight_only:
+        engine.quant.kernels.int8_activations = lambda device, method: False
     texts = held_out_texts(a.model, a.texts, a.answer_tokens)
     print("| format | perplexity | vs float32 | tokens | seconds |\n|---|---|---|---|---|")
     base = None
