@@ -54,8 +54,8 @@ class QuantLinear(nn.Module):
             self.weight = QuantizedWeight(
                 bits=8,
                 group_size=in_features,
-                qweight=torch.zeros(out_features, in_features, dtype=torch.int8),
-                scales=torch.zeros(out_features, 1, dtype=torch.float32),
+                qweight=torch.zeros(out_features, in_features, dtype=torch.int8, device=device),
+                scales=torch.zeros(out_features, 1, dtype=torch.float32, device=device),
                 zeros=None,
                 perm=None,
             )
@@ -116,7 +116,7 @@ class QuantLinear(nn.Module):
         )  # fmt: skip
         if all(p is not None for p in self._parts.values()):
             parts = [p for _, p in sorted(self._parts.items()) if p is not None]
-            self.weight = assemble(parts, s.bits)
+            self.weight = _to_device(assemble(parts, s.bits), self.device)
             self._parts = {row: None for row in self._parts}  # drop the unpacked copies
             self._kernel = None
 
@@ -143,6 +143,20 @@ class QuantLinear(nn.Module):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """No fused gate: the caller applies its own SiLU-and-mul to `forward`."""
         return None
+
+
+def _to_device(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight:
+    """`weight` with its tensors on `device`."""
+    if device.type == "cpu":
+        return weight
+    return QuantizedWeight(
+        bits=weight.bits,
+        group_size=weight.group_size,
+        qweight=weight.qweight.to(device),
+        scales=weight.scales.to(device),
+        zeros=None if weight.zeros is None else weight.zeros.to(device),
+        perm=None if weight.perm is None else weight.perm.to(device),
+    )
 
 
 class GptqSink:
