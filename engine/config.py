@@ -16,6 +16,10 @@ from typing import Any
 DTYPES = ("float32", "float16", "bfloat16")
 """The weight and KV dtypes the engine serves, by name."""
 
+QUANTIZATIONS = ("gptq", "int8")
+"""Weight quantizations served (TGIS's QUANTIZE values): "gptq" reads a GPTQ checkpoint, "int8"
+quantizes a float checkpoint at load (see `engine.quant.scheme`)."""
+
 CANDIDATE_SELECTIONS = ("nodes", "coverage", "joint")
 """How a proposer picks its candidate paths (see `MLPSpeculator.draft_candidates`)."""
 
@@ -166,6 +170,9 @@ class EngineConfig:
     """Weights and KV dtype (one of DTYPES); default float32 on CPU, and on CUDA the
     checkpoint's half type or float16."""
     device: str = "cpu"
+    quantization: str | None = field(default=None, metadata=bounded(Bounds(choices=QUANTIZATIONS)))
+    """The decoder layers' weight quantization (one of QUANTIZATIONS); None: what the checkpoint
+    declares (GPTQ), else none. A value the checkpoint contradicts stops start-up."""
     block_size: int | None = None
     """Tokens per KV block; default: the attention backend's preference."""
     max_num_seqs: int = 256

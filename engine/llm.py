@@ -52,6 +52,7 @@ class LLM:
         cuda_graphs: bool = True,
         tensor_parallel_size: int = 1,
         master_port: int = 29500,
+        quantize: str | None = None,
     ) -> None:
         """`max_num_tokens` sizes the KV pool (prompt + generated tokens over all sequences) and
         the per-step token budget; `max_num_seqs` bounds the running batch. `speculator` (an
@@ -64,7 +65,9 @@ class LLM:
         `cpu_kernels=False` runs the CPU float32 glue and attention as ATen ops instead of the
         fused C kernels. `cuda_graphs=False` runs every CUDA step eagerly.
         `tensor_parallel_size` N > 1 splits the model over N processes (this one is rank 0;
-        they meet on localhost:`master_port`); `close` (or leaving a `with` block) stops them."""
+        they meet on localhost:`master_port`); `close` (or leaving a `with` block) stops them.
+        `quantize` ("gptq", "int8"; None: what the checkpoint declares) quantizes the decoder
+        layers' weights (`engine.quant.scheme`)."""
         path = Path(model_path) if model_path is not None else default_model_path()
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(path)
         if isinstance(dtype, torch.dtype):
@@ -91,6 +94,7 @@ class LLM:
             speculative=speculative,
             tensor_parallel_size=tensor_parallel_size,
             master_port=master_port,
+            quantization=quantize,
         )
         proposer = None if isinstance(speculator, str | Path) else speculator
         self.engine = build_engine(config, self.tokenizer, proposer)

@@ -20,6 +20,7 @@ from engine.kv_sizing import CudaMemory, DeviceMemory, MemoryGauge, kv_block_byt
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import load_weights
 from engine.parallel.shard import Shard
+from engine.quant.scheme import resolve_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,9 @@ class ModelOutput:
 class ModelRunner:
     """Loads a model folder (a family `engine.models.config` supports), allocates the KV pool,
     executes steps. `max_model_len` is `config.max_model_len` (default: the model's max
-    positions) capped at the model's sliding window, if any.
+    positions) capped at the model's sliding window, if any. The decoder layers' projections
+    are quantized as `config.quantization` and the checkpoint declare (`resolve_scheme`, which
+    raises CheckpointError where they disagree).
 
     On CPU in float32 the model's glue and attention run as fused C kernels unless
     `config.cpu_kernels` is false (or no C compiler is found); the results are the same within
@@ -111,7 +114,10 @@ class ModelRunner:
             config.device, config.block_size, kernels, self.dtype, config.flash_attention
         )
         self.block_size = self.backend.block_size
-        self.model = LlamaModel(self.config, self.backend, self.dtype, self.device, kernels, shard)
+        self.quant = resolve_scheme(config.quantization, self.model_path)
+        self.model = LlamaModel(
+            self.config, self.backend, self.dtype, self.device, kernels, shard, self.quant
+        )
         load_weights(self.model, self.model_path)
         self.model.eval()
         if self.device.type == "cpu":
@@ -152,9 +158,10 @@ class ModelRunner:
             )
             self.graphs.capture()
         logger.info(
-            "loaded %s (%s, %s, attention %s, %d KV blocks of %d from %s)",
+            "loaded %s (%s%s, %s, attention %s, %d KV blocks of %d from %s)",
             self.model_path.name,
             self.dtype,
+            "" if self.quant is None else f", quantization {self.quant.describe()}",
             self.device,
             self.backend.name,
             self.num_blocks,

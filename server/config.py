@@ -51,7 +51,6 @@ DTYPE = Kind("dtype name", canonical_dtype)
 IGNORED_LAUNCHER_FLAGS = {
     "--deployment-framework": "the engine is specserve's own (paged attention, continuous "
     "batching)",
-    "--quantize": "weights load unquantized, in DTYPE_STR",
     "--shard-uds-path": "shard processes meet over torch.distributed at MASTER_ADDR:MASTER_PORT",
     "--max-waiting-tokens": "waiting requests join the running batch at every step",
     "--max-prefill-padding": "batches are not padded",
@@ -97,6 +96,18 @@ class ServerConfig:
         default_help="float32 on CPU; on CUDA bfloat16 for a bfloat16 checkpoint, else float16",
         ignored_because="8-bit (bitsandbytes) weights are not supported; weights load in "
         "the default dtype",
+    )
+    quantize: str | None = setting(
+        None,
+        "Weight quantization of the decoder layers' projections: gptq (a GPTQ checkpoint, 4 or "
+        "8 bits) or int8 (a float checkpoint quantized at load, per output channel). On CPU "
+        "their products take int8 activations quantized per row; on CUDA gptq is weight-only. "
+        "Embeddings, norms, the LM head and the speculator stay in DTYPE_STR. A value the "
+        "checkpoint contradicts, or another TGIS value (bitsandbytes, fp8, ...), stops start-up.",
+        TEXT,
+        bounds=bounds_of(EngineConfig, "quantization"),
+        default_help="gptq when the checkpoint's quantize_config.json or config.json declares "
+        "it, else none",
     )
     device: str = setting(
         "cpu", "Torch device, e.g. cpu or cuda:0 (the CUDA image sets cuda).", TEXT

@@ -99,6 +99,7 @@ def engine_config(config: ServerConfig, max_sequence_length: int) -> EngineConfi
     return EngineConfig(
         model_path=model_path(config),
         dtype=config.dtype,
+        quantization=config.quantize,
         device=config.device,
         max_num_seqs=config.max_batch_size,
         max_num_batched_tokens=config.max_batched_tokens,

@@ -15,13 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache
-from engine.kernels.buffers import DecoderBuffers
+from engine.kernels.buffers import DecoderBuffers, OutputBuffer
 from engine.kernels.cpu import CpuKernels
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
+from engine.layers.quant_linear import QuantLinear
 from engine.layers.rotary import RopeStep, RotaryEmbedding
 from engine.models.config import LlamaConfig
 from engine.parallel.shard import Shard, ShardLayout
+from engine.quant.scheme import QuantScheme
 
 
 @dataclass(frozen=True)
@@ -37,13 +39,34 @@ class DecoderParts:
     device: torch.device
     buffers: DecoderBuffers
     kernels: CpuKernels | None = None
+    quant: QuantScheme | None = None  # how the layers' projections are quantized (None: not)
+
+    def linear(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        output: OutputBuffer,
+        gated: bool = False,
+    ) -> Linear | QuantLinear:
+        """One projection of a layer: a `QuantLinear` when the model is quantized."""
+        dtype, device = self.dtype, self.device
+        if self.quant is not None:
+            return QuantLinear(
+                in_features, out_features, bias, scheme=self.quant, dtype=dtype, device=device,
+                gated=gated,
+            )  # fmt: skip
+        return Linear(
+            in_features, out_features, bias, dtype=dtype, device=device, gated=gated,
+            output=output,
+        )  # fmt: skip
 
 
 class Attention(nn.Module):
     def __init__(self, parts: DecoderParts) -> None:
         super().__init__()
         config, layout, buffers = parts.config, parts.layout, parts.buffers
-        dtype, device = parts.dtype, parts.device
         self.kernels = parts.kernels
         self.shard = parts.shard
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
@@ -51,13 +74,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         hidden = config.hidden_size
-        self.qkv_proj = Linear(
-            hidden, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype=dtype, device=device,
-            output=buffers.qkv,
-        )  # fmt: skip
-        self.o_proj = Linear(
-            self.q_size, hidden, config.o_proj_bias, dtype=dtype, device=device, output=buffers.o
+        self.qkv_proj = parts.linear(
+            hidden, self.q_size + 2 * self.kv_size, config.qkv_bias, output=buffers.qkv
         )
+        self.o_proj = parts.linear(self.q_size, hidden, config.o_proj_bias, output=buffers.o)
         self.rotary = parts.rotary
         self.backend = parts.backend
 
@@ -88,18 +108,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, parts: DecoderParts) -> None:
         super().__init__()
-        buffers, dtype, device = parts.buffers, parts.dtype, parts.device
+        buffers = parts.buffers
         self.kernels = parts.kernels
         self.shard = parts.shard
         self.intermediate_size = parts.layout.intermediate_size
         hidden = parts.config.hidden_size
-        self.gate_up_proj = Linear(
-            hidden, 2 * self.intermediate_size, dtype=dtype, device=device, gated=True,
-            output=buffers.gate_up,
-        )  # fmt: skip
-        self.down_proj = Linear(
-            self.intermediate_size, hidden, dtype=dtype, device=device, output=buffers.down
+        self.gate_up_proj = parts.linear(
+            hidden, 2 * self.intermediate_size, output=buffers.gate_up, gated=True
         )
+        self.down_proj = parts.linear(self.intermediate_size, hidden, output=buffers.down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

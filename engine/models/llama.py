@@ -40,8 +40,10 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import LlamaConfig
 from engine.models.decoder import DecoderLayer, DecoderParts
-from engine.models.loader import WeightTarget
+from engine.models.loader import TensorSink, WeightTarget
 from engine.parallel.shard import Shard, ShardLayout
+from engine.quant.scheme import QuantScheme
+from engine.quant.targets import gptq_targets
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -52,7 +54,8 @@ class LlamaModel(nn.Module):
     only) fuses the glue between matrix products. With `shard` of size N > 1, this is one rank's
     share (ValueError when N cannot split the model, see `engine.parallel.shard`): every rank
     runs `forward` on the same inputs together, and `compute_logits` returns the whole
-    vocabulary's logits on rank 0 only."""
+    vocabulary's logits on rank 0 only. With `quant`, the decoder layers' projections are
+    quantized (`engine.quant`); the embeddings, norms and LM head stay in `dtype`."""
 
     def __init__(
         self,
@@ -62,11 +65,13 @@ class LlamaModel(nn.Module):
         device: torch.device,
         kernels: CpuKernels | None = None,
         shard: Shard | None = None,
+        quant: QuantScheme | None = None,
     ) -> None:
         super().__init__()
         if kernels is not None and (dtype != torch.float32 or device.type != "cpu"):
             raise ValueError("CPU kernels need float32 on CPU")
         self.config = config
+        self.quant = quant
         self.kernels = kernels
         self.shard = shard = shard or Shard()
         self.layout = layout = ShardLayout.of(config, shard.rank, shard.size)
@@ -81,7 +86,7 @@ class LlamaModel(nn.Module):
         parts = DecoderParts(
             config, layout, shard, self.rotary, backend, dtype, device,
             DecoderBuffers(),  # results of small steps, written by each layer in turn
-            kernels,
+            kernels, quant,
         )  # fmt: skip
         self.layers = nn.ModuleList(DecoderLayer(parts) for _ in range(config.num_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype, device, kernels)
@@ -160,7 +165,7 @@ class LlamaModel(nn.Module):
         q, kv, inter = q_rows[1] - q_rows[0], kv_rows[1] - kv_rows[0], ly.intermediate_size
 
         def rows(
-            dest: Linear,
+            dest: TensorSink,
             offset: int,
             source: tuple[int, int],
             shape: tuple[int, int],
@@ -169,7 +174,9 @@ class LlamaModel(nn.Module):
             """Checkpoint rows `source` of a `shape` tensor -> dest's rows from `offset`."""
             return WeightTarget(dest, offset, shape, scale, source_rows=source)
 
-        def columns(dest: Linear, source: tuple[int, int], shape: tuple[int, int]) -> WeightTarget:
+        def columns(
+            dest: TensorSink, source: tuple[int, int], shape: tuple[int, int]
+        ) -> WeightTarget:
             """Checkpoint columns `source` of a `shape` tensor -> all of dest (row-parallel)."""
             return WeightTarget(dest, 0, shape, residual, source_cols=source)
 
@@ -229,4 +236,4 @@ class LlamaModel(nn.Module):
             if o_bias is not None:  # added once: by rank 0, before the sum over ranks
                 o_dest = o_bias if rank == 0 else None
                 targets[p + "self_attn.o_proj.bias"] = WeightTarget(o_dest, 0, (hidden,), residual)
-        return targets
+        return gptq_targets(targets) if self.quant and self.quant.method == "gptq" else targets

@@ -25,18 +25,27 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or does not match the model."""
 
 
-class WeightTarget(NamedTuple):
-    """Where one checkpoint tensor goes: a Linear's rows from `row_offset`, or a whole tensor,
-    or nowhere (None: this rank holds none of it); multiplied by `scale` on the way (a constant
-    of the model folded into its weights). Only rows `source_rows` and columns `source_cols`
-    ([start, end), default: all) of the checkpoint tensor are read."""
+class TensorSink(Protocol):
+    """A destination that takes a checkpoint tensor itself (a `Linear`'s rows, a quantized
+    layer's fields); ValueError when the tensor does not fit."""
 
-    dest: Linear | torch.Tensor | None
+    def load_rows(self, row_offset: int, weight: torch.Tensor) -> None: ...
+
+
+class WeightTarget(NamedTuple):
+    """Where one checkpoint tensor goes: a sink's rows from `row_offset` (a `Linear`), or a
+    whole tensor, or nowhere (None: this rank holds none of it); multiplied by `scale` on the
+    way (a constant of the model folded into its weights). Only rows `source_rows` and columns
+    `source_cols` ([start, end), default: all) of the checkpoint tensor are read. An `optional`
+    target may be absent from the checkpoint."""
+
+    dest: TensorSink | torch.Tensor | None
     row_offset: int
     shape: tuple[int, ...]  # the checkpoint tensor's expected shape
     scale: float = 1.0
     source_rows: tuple[int, int] | None = None
     source_cols: tuple[int, int] | None = None
+    optional: bool = False
 
 
 class TensorSource(NamedTuple):
@@ -151,7 +160,7 @@ def load_weights(model: Loadable, folder: str | Path) -> None:
                 if name == "lm_head.weight" and "lm_head.weight" not in targets:
                     continue  # a tied checkpoint that also stores the head
                 raise CheckpointError(f"{file}: unexpected tensor '{name}'")
-            dest, row_offset, shape, scale, source_rows, source_cols = targets[name]
+            dest, row_offset, shape, scale, source_rows, source_cols, _ = targets[name]
             if source.shape != shape:
                 raise CheckpointError(
                     f"{file}: tensor '{name}' has shape {source.shape}, expected {shape}"
@@ -162,12 +171,17 @@ def load_weights(model: Loadable, folder: str | Path) -> None:
             tensor = source.read(source_rows, source_cols)
             if scale != 1.0:
                 tensor = tensor.to(torch.float32) * scale
-            if isinstance(dest, Linear):
-                dest.load_rows(row_offset, tensor)
-            else:
+            if isinstance(dest, torch.Tensor):
                 with torch.no_grad():
                     dest.copy_(tensor)
-    missing = sorted(targets.keys() - loaded)
+            elif isinstance(dest, Linear):
+                dest.load_rows(row_offset, tensor)
+            else:
+                try:
+                    dest.load_rows(row_offset, tensor)
+                except ValueError as e:
+                    raise CheckpointError(f"{file}: tensor '{name}': {e}") from e
+    missing = sorted(n for n, t in targets.items() if n not in loaded and not t.optional)
     if missing:
         name = missing[0]
         file_hint = where.get(name, files[0] if len(files) == 1 else folder)

@@ -87,6 +87,7 @@ HONOURED = {
     "num_shard": 2,
     "master_addr": "rank0.local",
     "master_port": 29511,
+    "quantize": "gptq",
 }
 
 
@@ -111,9 +112,10 @@ def test_every_tgis_launcher_flag_is_accepted(how: str) -> None:
     ignored = sorted(w.split("=")[0] for w in launch.warnings)
     expected = [flag[2:].replace("-", "_").upper() for flag in IGNORED_LAUNCHER_FLAGS]
     assert ignored == sorted(expected)
-    quantize = next(w for w in launch.warnings if w.startswith("QUANTIZE"))
-    assert (
-        quantize == "QUANTIZE=gptq (--quantize) is ignored: weights load unquantized, in DTYPE_STR"
+    framework = next(w for w in launch.warnings if w.startswith("DEPLOYMENT_FRAMEWORK"))
+    assert framework == (
+        "DEPLOYMENT_FRAMEWORK=tgis_native (--deployment-framework) is ignored: the engine is "
+        "specserve's own (paged attention, continuous batching)"
     )
 
 

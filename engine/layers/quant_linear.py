@@ -1,0 +1,171 @@
+"""A linear layer over a `QuantizedWeight`: y = x @ W^T + b with W stored as integers.
+
+It stands in for `engine.layers.linear.Linear` in the decoder layers (same `forward`, `bias`,
+`silu_and_mul`, `in_features`, `out_features`), and runs the kernel
+`engine.quant.kernels.quant_kernel` chooses, built at the first `forward` after the weights
+changed. The weights arrive through the checkpoint loader's sinks:
+
+- "int8": `load_rows` takes float rows (any dtype) and keeps only their int8 values and one
+  scale per row (max |row| / 127, round half to even: `engine.quant.reference.quantize_rows`),
+  so no float copy of the weight stays resident.
+- "gptq": `gptq_sink(row_offset, field)` receives a part's `qweight`, `qzeros`, `scales` and
+  `g_idx` (the part starting at output row `row_offset` of a fused layer); once every part has
+  all four, they are assembled (`engine.quant.gptq`) into one `QuantizedWeight`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.quant.gptq import GptqPart, assemble, read_part
+from engine.quant.kernels import QuantKernel, quant_kernel
+from engine.quant.reference import quantize_rows
+from engine.quant.scheme import QuantScheme
+from engine.quant.weights import QuantizedWeight
+
+GPTQ_FIELDS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T + b, W [out_features, in_features] quantized by `scheme`; `bias` stays in
+    `dtype`. Inference only; not safe for concurrent `forward` calls from several threads."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        scheme: QuantScheme,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        gated: bool = False,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.dtype, self.device = scheme, dtype, torch.device(device)
+        self.gated = gated
+        self.bias: torch.Tensor | None = (
+            torch.zeros(out_features, dtype=dtype, device=self.device) if bias else None
+        )
+        self.weight: QuantizedWeight | None = None
+        if scheme.method == "int8":
+            self.weight = QuantizedWeight(
+                bits=8,
+                group_size=in_features,
+                qweight=torch.zeros(out_features, in_features, dtype=torch.int8, device=device),
+                scales=torch.zeros(out_features, 1, dtype=torch.float32, device=device),
+                zeros=None,
+                perm=None,
+            )
+        self._raw: dict[int, dict[str, torch.Tensor]] = {}  # gptq: part row -> field -> tensor
+        self._parts: dict[int, GptqPart | None] = {}  # gptq: part row -> its unpacked form
+        self._kernel: QuantKernel | None = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, {self.scheme.describe()}"
+        )
+
+    # -- loading --------------------------------------------------------------------------
+
+    def load_rows(self, row_offset: int, weight: torch.Tensor) -> None:
+        """int8: quantize float rows [rows, in] into rows [row_offset, row_offset + rows) of W.
+        ValueError naming the shapes when they do not fit."""
+        if self.weight is None or self.scheme.method != "int8":
+            raise ValueError("load_rows: a GPTQ layer takes qweight, qzeros, scales and g_idx")
+        rows = weight.shape[0] if weight.dim() == 2 else -1
+        if weight.dim() != 2 or weight.shape[1] != self.in_features or row_offset < 0:
+            raise ValueError(
+                f"load_rows: expected a [rows, {self.in_features}] weight, got shape "
+                f"{list(weight.shape)} at row_offset {row_offset}"
+            )
+        if row_offset + rows > self.out_features:
+            raise ValueError(
+                f"load_rows: rows [{row_offset}, {row_offset + rows}) exceed {self.out_features}"
+            )
+        with torch.no_grad():
+            for start in range(0, rows, 1024):  # bounds the float32 temporaries
+                chunk = weight[start : start + 1024].to(torch.float32)
+                q, s = quantize_rows(chunk)
+                at = row_offset + start
+                self.weight.qweight[at : at + chunk.shape[0]].copy_(q)
+                self.weight.scales[at : at + chunk.shape[0], 0].copy_(s)
+        self._kernel = None
+
+    def expect_part(self, row_offset: int) -> None:
+        """gptq: a part of the fused layer starts at output row `row_offset`."""
+        self._parts[row_offset] = None
+
+    def gptq_sink(self, row_offset: int, field: str) -> GptqSink:
+        """Where the loader writes `field` (one of GPTQ_FIELDS) of the part at `row_offset`."""
+        return GptqSink(self, row_offset, field)
+
+    def _receive(self, row_offset: int, field: str, tensor: torch.Tensor) -> None:
+        raw = self._raw.setdefault(row_offset, {})
+        raw[field] = tensor.clone() if field == "scales" else tensor
+        if len(raw) < len(GPTQ_FIELDS):
+            return
+        del self._raw[row_offset]
+        s = self.scheme
+        self._parts[row_offset] = read_part(
+            raw["qweight"], raw["qzeros"], raw["scales"], raw["g_idx"],
+            bits=s.bits, zeros_minus_one=s.zeros_minus_one,
+        )  # fmt: skip
+        if all(p is not None for p in self._parts.values()):
+            parts = [p for _, p in sorted(self._parts.items()) if p is not None]
+            self.weight = _to_device(assemble(parts, s.bits), self.device)
+            self._parts = {row: None for row in self._parts}  # drop the unpacked copies
+            self._kernel = None
+
+    # -- running --------------------------------------------------------------------------
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of the quantized weight and the bias."""
+        w = self.weight
+        tensors = [] if w is None else [w.qweight, w.scales, w.zeros, w.perm]
+        tensors.append(self.bias)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] -> [M, out_features] in the layer's dtype."""
+        kernel = self._kernel
+        if kernel is None:
+            if self.weight is None:
+                raise RuntimeError("QuantLinear: the weights have not been loaded")
+            kernel = self._kernel = quant_kernel(
+                self.weight, self.bias, self.device, self.dtype, self.scheme.method
+            )
+        return kernel(x)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """No fused gate: the caller applies its own SiLU-and-mul to `forward`."""
+        return None
+
+
+def _to_device(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight:
+    """`weight` with its tensors on `device`."""
+    if device.type == "cpu":
+        return weight
+    return QuantizedWeight(
+        bits=weight.bits,
+        group_size=weight.group_size,
+        qweight=weight.qweight.to(device),
+        scales=weight.scales.to(device),
+        zeros=None if weight.zeros is None else weight.zeros.to(device),
+        perm=None if weight.perm is None else weight.perm.to(device),
+    )
+
+
+class GptqSink:
+    """One field of one part of a GPTQ `QuantLinear`, as a loader destination."""
+
+    def __init__(self, layer: QuantLinear, row_offset: int, field: str) -> None:
+        self.layer, self.row_offset, self.field = layer, row_offset, field
+        layer.expect_part(row_offset)
+
+    def load_rows(self, row_offset: int, tensor: torch.Tensor) -> None:
+        """Hand the tensor read (`row_offset` is unused: the sink knows its part)."""
+        self.layer._receive(self.row_offset, self.field, tensor)
