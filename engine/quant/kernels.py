@@ -32,8 +32,22 @@ def quant_kernel(
     method: str,
 ) -> QuantKernel:
     """x [M, in] (any M, `dtype` on `device`) -> y [M, out] in `dtype`: x @ W.T + bias, with
-    the activations quantized per row where `int8_activations` says so."""
+    the activations quantized per row where `int8_activations` says so. CPU: the rows family's
+    grouped integer kernels (`engine.kernels.quant_rows`, float32 rows in and out); CUDA: the
+    Triton kernels (`engine.kernels.quant_triton`, whose `warm_up` compiles them); elsewhere,
+    and for a weight-only product on a CPU, the reference product."""
     int8 = int8_activations(device, method)  # looked up at each build: see int8_activations
+    if device.type == "cpu" and int8:
+        from engine.kernels.quant_rows import build_quant_kernel
+
+        rows = build_quant_kernel(weight, bias)
+        if dtype == torch.float32:
+            return rows
+        return lambda x: rows(x.to(torch.float32).contiguous()).to(dtype)
+    if device.type == "cuda":
+        from engine.kernels.quant_triton import build_quant_kernel_cuda
+
+        return build_quant_kernel_cuda(weight, bias, int8_activations=int8, dtype=dtype)
 
     def kernel(x: torch.Tensor) -> torch.Tensor:
         return reference_linear(x, weight, bias, int8_activations=int8).to(dtype)
