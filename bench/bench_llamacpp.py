@@ -50,7 +50,9 @@ def child(python: str, *args: str) -> dict[str, object]:
     """Run llamacpp_child.py in `python`; its JSON result."""
     proc = subprocess.run([python, str(CHILD), *args], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"llamacpp_child {args[0]} failed:\n{proc.stderr[-2000:]}")
+        raise SystemExit(
+            f"llamacpp_child {args[0]} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
+        )
     result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
 
