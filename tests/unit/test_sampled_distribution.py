@@ -35,7 +35,7 @@ import torch
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
-import engine.sampling.sampler as sampler_module
+import engine.sampling.batch_choice as batch_choice
 from engine.config import EngineConfig, SchedulerConfig
 from engine.core import LLMEngine
 from engine.model_runner import ModelRunner
@@ -264,7 +264,7 @@ def position_blind_noise(monkeypatch: pytest.MonkeyPatch) -> None:
     def blind(parts: torch.Tensor) -> torch.Tensor:  # [M, 3]: seed low, seed high, position
         return keys_of(torch.cat([parts[:, :2], torch.zeros_like(parts[:, 2:])], dim=1))
 
-    monkeypatch.setattr(sampler_module, "keys_of", blind)
+    monkeypatch.setattr(batch_choice, "keys_of", blind)
 
 
 def test_exact_distribution_has_structure(exact: torch.Tensor) -> None:

@@ -157,7 +157,7 @@ def test_wide_vocabulary_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     details. Some rows are decided among their candidates, others chosen again wider (a flat
     row's nucleus or typical set beyond them, a nucleus ending inside a tie at the last
     candidate); all give the per-row oracle's choices."""
-    import engine.sampling.sampler as sampler_module
+    import engine.sampling.batch_choice as batch_choice
 
     vocab, num_rows = 20000, 40
     logits = _wide_batch(vocab, num_rows, 6)
@@ -179,14 +179,14 @@ def test_wide_vocabulary_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     params[2] = SamplingParams(temperature=1.0, top_p=tie, seed=2)
     again: list[int] = []  # rows (of their chunk) chosen again at the second try
-    choose_again = sampler_module._choose_again
+    choose_again = batch_choice._choose_again
 
     def counted(choices, rows, *args):  # type: ignore[no-untyped-def]
         if args[-1] == 1:
             again.extend(rows)
         choose_again(choices, rows, *args)
 
-    monkeypatch.setattr(sampler_module, "_choose_again", counted)
+    monkeypatch.setattr(batch_choice, "_choose_again", counted)
     past = [list(range(i, 3000, 97)) for i in range(num_rows)]
     args = (logits, params, list(range(num_rows)), list(range(num_rows)), past,
             [1] * num_rows, [EOS] * num_rows)  # fmt: skip
