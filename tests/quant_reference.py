@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine.models.loader import checkpoint_files
 from engine.quant.reference import quantize_rows
-from tests.reference import Reference
+from tests.reference import Reference, model_greedy
 
 PROJECTIONS = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -134,15 +134,4 @@ def oracle_model(
 
 
 def oracle_greedy(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int) -> Reference:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=model.generation_config.eos_token_id,
-        )
-    tokens = out.sequences[0, len(prompt_ids) :].tolist()
-    return Reference(tokens, [step[0].float() for step in out.logits])
+    return model_greedy(model, prompt_ids, max_new_tokens)

@@ -49,10 +49,16 @@ class Reference:
 
 @cache
 def hf_greedy(path: Path, prompt_ids: tuple[int, ...], max_new_tokens: int) -> Reference:
-    model = hf_model(path)
+    return model_greedy(hf_model(path), prompt_ids, max_new_tokens)
+
+
+def model_greedy(
+    model: PreTrainedModel, prompt_ids: Sequence[int], max_new_tokens: int
+) -> Reference:
+    """transformers' greedy `generate` of `model` on one prompt: tokens and float32 logits."""
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt_ids]),
+            torch.tensor([list(prompt_ids)]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
             max_new_tokens=max_new_tokens,
             do_sample=False,

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM
 from engine.kernels import cpu, matmul
 from engine.layers.linear import Linear
-from tests.reference import chat_prompt_ids
+from tests.reference import chat_prompt_ids, model_greedy
 
 MAX_NEW = 16
 BF16_ULPS = 8
@@ -116,17 +116,8 @@ def test_onednn_kernels_match_a_float64_product(kernel: str, gated: bool) -> Non
 @cache
 def hf_bf16_greedy(path: Path, prompt: tuple[int, ...]) -> tuple[list[int], list[torch.Tensor]]:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_NEW,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=model.generation_config.eos_token_id,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), [s[0].float() for s in out.logits]
+    ref = model_greedy(model, prompt, MAX_NEW)
+    return ref.token_ids, ref.logits
 
 
 @needs_native_bf16
