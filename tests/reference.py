@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from engine.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.spec_decode.mlp_speculator import MLPSpeculator
+from engine.spec_decode.speculator_config import MLPSpeculatorConfig
 from training import prompts
 from training.prompts import CHAT_PROMPTS
 

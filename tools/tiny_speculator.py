@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.models.llama import LlamaConfig
-from engine.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.spec_decode.mlp_speculator import MLPSpeculator
+from engine.spec_decode.speculator_config import MLPSpeculatorConfig
 
 FORMATS = ("safetensors", "bin", "sharded", "torch-file")
 

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.loader import CheckpointError, checkpoint_files, iter_tensors
-from engine.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.spec_decode.mlp_speculator import MLPSpeculator
+from engine.spec_decode.speculator_config import MLPSpeculatorConfig
 from training.data import Batch
 
 MATRIX_MODES = ("factored", "frozen", "full")

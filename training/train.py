@@ -44,11 +44,8 @@ from engine.config import CANDIDATE_SELECTIONS
 from engine.models.llama import LlamaConfig
 from engine.paths import DEFAULT_MODEL_NAME, default_model_path, speculators_dir
 from engine.spec_decode.loader import write_draft_vocabulary
-from engine.spec_decode.mlp_speculator import (
-    DRAFT_VOCABULARY_FILE,
-    MLPSpeculator,
-    MLPSpeculatorConfig,
-)
+from engine.spec_decode.mlp_speculator import MLPSpeculator
+from engine.spec_decode.speculator_config import DRAFT_VOCABULARY_FILE, MLPSpeculatorConfig
 from training.data import AnswerSettings, DataBuilder, SpeculatorData
 from training.model import (
     MATRIX_MODES,

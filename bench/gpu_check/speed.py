@@ -38,8 +38,9 @@ def section_speed(ctx: Ctx) -> None:
     from engine.config import EngineConfig
     from engine.kv_sizing import kv_block_bytes
     from engine.model_runner import SequenceInput
-    from engine.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+    from engine.spec_decode.mlp_speculator import MLPSpeculator
     from engine.spec_decode.proposer import MLPProposer, ProposalInput
+    from engine.spec_decode.speculator_config import MLPSpeculatorConfig
 
     r = ctx.report
     if not ctx.cuda and not ctx.small:

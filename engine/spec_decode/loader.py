@@ -24,11 +24,8 @@ from pathlib import Path
 import torch
 
 from engine.models.loader import CheckpointError, checkpoint_files, iter_tensors
-from engine.spec_decode.mlp_speculator import (
-    DRAFT_VOCABULARY_FILE,
-    MLPSpeculator,
-    MLPSpeculatorConfig,
-)
+from engine.spec_decode.mlp_speculator import MLPSpeculator
+from engine.spec_decode.speculator_config import DRAFT_VOCABULARY_FILE, MLPSpeculatorConfig
 
 _PREFIX = "speculator."
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")

@@ -19,11 +19,8 @@ import torch.nn.functional as F
 
 from engine.models.loader import CheckpointError
 from engine.spec_decode.loader import load_speculator, write_draft_vocabulary
-from engine.spec_decode.mlp_speculator import (
-    DRAFT_VOCABULARY_FILE,
-    MLPSpeculator,
-    MLPSpeculatorConfig,
-)
+from engine.spec_decode.mlp_speculator import MLPSpeculator
+from engine.spec_decode.speculator_config import DRAFT_VOCABULARY_FILE, MLPSpeculatorConfig
 from engine.spec_decode.tree import DraftTree
 from tests.reference import random_speculator
 from tools.tiny_speculator import FORMATS, write_tiny_speculator

@@ -9,7 +9,8 @@ import copy
 
 import torch
 
-from engine.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, SpeculatorNorm
+from engine.spec_decode.mlp_speculator import MLPSpeculator, SpeculatorNorm
+from engine.spec_decode.speculator_config import MLPSpeculatorConfig
 
 D = 64
 FP16_ATOL = 2e-2  # a few ulps of fp16 near 1..4, the normalised values' range
