@@ -88,8 +88,11 @@ async def _serve(args: Any) -> None:
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm_tgis_adapter.grpc.grpc_server import run_grpc_server
 
+    # The adapter reads the OpenAI server's model registry only for LoRA adapters, which the
+    # benchmark does not send: an empty one stands in for the HTTP app it is not given.
+    app = types.SimpleNamespace(state=types.SimpleNamespace(openai_serving_models=None))
     async with build_async_engine_client(args) as engine:
-        await run_grpc_server(args, engine, None)
+        await run_grpc_server(args, engine, app)
 
 
 def main() -> None:
