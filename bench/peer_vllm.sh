@@ -45,6 +45,10 @@ serve)
     shift
     export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
     export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}
+    # vLLM's CPU guide preloads Intel's OpenMP (vllm-cpu installs it) and tcmalloc where present.
+    preload=$(ls "$VENV"/lib/libiomp5.so /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \
+        2>/dev/null | paste -sd: || true)
+    export LD_PRELOAD=${LD_PRELOAD:-$preload}
     exec "$VENV/bin/python" "$HERE/vllm_tgis_peer.py" --model "$MODEL" --dtype bfloat16 \
         --host 127.0.0.1 --grpc-port "$GRPC_PORT" "$@"
     ;;

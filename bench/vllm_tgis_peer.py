@@ -84,9 +84,32 @@ def _patch_vllm() -> None:
     _alias("vllm.engine.protocol", AsyncEngineClient=EngineClient)
 
 
+def _patch_adapter() -> None:
+    """vLLM's engine now returns its tokenizer without awaiting, and SamplingParams lost its
+    per-request logits processors (the adapter's typical_p and length-penalty warpers: those
+    requests are refused) and takes top_k 0, not -1, for no limit."""
+    from vllm.sampling_params import SamplingParams
+    from vllm_tgis_adapter.grpc import grpc_server
+
+    async def get_tokenizer(self: Any, adapter_kwargs: dict[str, Any]) -> Any:
+        return self.engine.get_tokenizer()
+
+    def sampling_params(*, logits_processors: Any = None, **kwargs: Any) -> SamplingParams:
+        if logits_processors:
+            raise ValueError("typical_p and length_penalty need vLLM's per-request processors")
+        if kwargs.get("top_k") == -1:
+            kwargs["top_k"] = 0
+        return SamplingParams(**kwargs)
+
+    grpc_server.TextGenerationService._get_tokenizer = get_tokenizer
+    grpc_server.SamplingParams = sampling_params
+
+
 async def _serve(args: Any) -> None:
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm_tgis_adapter.grpc.grpc_server import run_grpc_server
+
+    _patch_adapter()
 
     # The adapter reads the OpenAI server's model registry only for LoRA adapters, which the
     # benchmark does not send: an empty one stands in for the HTTP app it is not given.
