@@ -16,6 +16,7 @@ Not imported by the project; it needs `vllm` and `vllm_tgis_adapter`.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import types
 from typing import Any
@@ -110,6 +111,11 @@ async def _serve(args: Any) -> None:
     from vllm_tgis_adapter.grpc.grpc_server import run_grpc_server
 
     _patch_adapter()
+    # SIGTERM cancels the serving task, so that leaving the engine's context stops its
+    # processes (the default handler would leave them running).
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
 
     # The adapter reads the OpenAI server's model registry only for LoRA adapters, which the
     # benchmark does not send: an empty one stands in for the HTTP app it is not given.
