@@ -110,9 +110,9 @@ bench-sampling: models ## Sampled vs greedy batch decode tokens/s, 32 requests x
 	$(PY) -m bench.bench_sampling $(if $(MIX),--mix $(MIX))
 
 .PHONY: bench-serving
-bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/32 (SmolLM2 fp32); SPECULATOR=PATH adds an on/off comparison and a plot
+bench-serving: models gen-proto ## gRPC streaming clients at concurrency 1/4/16/32 (SmolLM2 fp32); SPECULATOR=PATH adds an on/off comparison and a plot; VARIANT='int8 QUANTIZE=int8' a second server, PEER=HOST:PORT [PEER_NAME=NAME] a running TGIS server (bench/peer_vllm.sh), with ratios
 	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q -c constraints.txt 'matplotlib>=3.8'
-	$(PY) -m bench.bench_serving $(if $(SPECULATOR),--speculator $(SPECULATOR))
+	$(PY) -m bench.bench_serving $(if $(SPECULATOR),--speculator $(SPECULATOR)) $(if $(VARIANT),--variant $(VARIANT)) $(if $(PEER),--peer $(PEER) $(if $(PEER_NAME),--peer-name $(PEER_NAME)))
 
 .PHONY: bench-openai
 bench-openai: models gen-proto ## 32 streaming clients through the OpenAI-compatible HTTP API vs through gRPC, aggregate tokens/s (SmolLM2 fp32)

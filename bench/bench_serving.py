@@ -13,6 +13,15 @@ p50 inter-token latency at the highest over the lowest (target <= 4x). Prints a 
 JSON (bench/results/serving.json, or serving_speculator.json with a speculator), with the 1-minute
 load average before and after each level: on a shared machine, other work skews the numbers.
 
+`--variant NAME KEY=VALUE...` (repeatable) starts another server beside the first, its
+environment changed by the settings (e.g. `--variant int8 QUANTIZE=int8`), and `--peer ADDRESS`
+adds a TGIS-compatible gRPC server already running (e.g. vLLM's CPU build through
+vllm-tgis-adapter, started by bench/peer_vllm.sh; `--peer-name` names it): every target takes
+its turn in the same windows (below) with the same clients, prompts and token counts, and per
+level the table gives each one's tokens/s and the ratios of every variant and the peer over the
+first server and of every variant over the peer, with a warning where a target's requests did not
+all generate `--new-tokens` tokens (bench/results/serving_compare.json).
+
 `--speculator PATH` runs two servers side by side, speculation off (SPECULATOR_PATH and
 SPECULATOR_NAME removed from the server's env) and on (SPECULATOR_PATH=PATH, the server's
 adaptive policy deciding per step), each level's time split into `--rounds` windows per server
@@ -25,7 +34,8 @@ the realised one; and a PNG plot of tokens/s and p50 inter-token latency
 `pip install -e '.[bench]'`).
 
     python -m bench.bench_serving [--concurrency 1 4 16 32] [--duration 30] [--rounds 3]
-                                  [--speculator PATH]
+                                  [--speculator PATH] [--variant NAME KEY=VALUE...]
+                                  [--peer ADDRESS [--peer-name NAME]]
 """
 
 from __future__ import annotations
@@ -227,14 +237,17 @@ def sweep(
     new_tokens: int,
     duration: float,
     rounds: int,
+    peers: dict[str, str] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Start one server per config (name -> (env, env vars to unset)), all at once, and run
-    every concurrency level against each: an uncounted 2-second window each, then `rounds`
-    windows of `duration / rounds` seconds per server, the servers taking turns in an order
-    that reverses every round (A B, B A, A B, ...), so that a slow spell of a shared host and
-    the cost of going first hit all of them alike. One row per level and server (with
-    `spec_stats` when it speculates)."""
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    every concurrency level against each and against each peer (name -> gRPC address of a
+    TGIS-compatible server already running): an uncounted 2-second window each, then `rounds`
+    windows of `duration / rounds` seconds per target, the targets taking turns in an order
+    that reverses every round (A B C, C B A, A B C, ...), so that a slow spell of a shared host
+    and the cost of going first hit all of them alike. One row per level and target (for the
+    servers started here with the decode step time, and `spec_stats` when one speculates)."""
+    peers = peers or {}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in [*configs, *peers]}
     with contextlib.ExitStack() as stack:
         servers = {
             name: stack.enter_context(
@@ -244,32 +257,33 @@ def sweep(
             )
             for name, (env, unset) in configs.items()
         }
-        for server in servers.values():  # warm-up
-            asyncio.run(run_window(server.grpc_target, prompts, 2, new_tokens, 0.1))
+        targets = {name: server.grpc_target for name, server in servers.items()} | peers
+        for target in targets.values():  # warm-up
+            asyncio.run(run_window(target, prompts, 2, new_tokens, 0.1))
         for concurrency in levels:
-            records: dict[str, list[Record]] = {name: [] for name in servers}
-            window_tokens = dict.fromkeys(servers, 0)
+            records: dict[str, list[Record]] = {name: [] for name in targets}
+            window_tokens = dict.fromkeys(targets, 0)
             before = {name: spec_counters(server) for name, server in servers.items()}
             load_before = os.getloadavg()[0]
-            for server in servers.values():  # uncounted: the level's first steps
-                asyncio.run(run_window(server.grpc_target, prompts, concurrency, new_tokens, 2.0))
+            for target in targets.values():  # uncounted: the level's first steps
+                asyncio.run(run_window(target, prompts, concurrency, new_tokens, 2.0))
             for r in range(rounds):
-                turns = list(servers.items())
-                for name, server in turns[::-1] if r % 2 else turns:
+                turns = list(targets.items())
+                for name, target in turns[::-1] if r % 2 else turns:
                     window = asyncio.run(
-                        run_window(
-                            server.grpc_target, prompts, concurrency, new_tokens, duration / rounds
-                        )
+                        run_window(target, prompts, concurrency, new_tokens, duration / rounds)
                     )
                     records[name] += window[0]
                     window_tokens[name] += window[1]
-            for name, server in servers.items():
+            for name in targets:
                 row = summarize(concurrency, records[name], window_tokens[name], duration)
                 row["loadavg_1m"] = [load_before, os.getloadavg()[0]]
-                after = spec_counters(server)
-                row["decode_step_ms"] = step_ms(before[name], after, _STEP_TIME)
-                if "SPECULATOR_PATH" in configs[name][0]:
-                    row.update(spec_stats(before[name], after))
+                row["requests_not_new_tokens"] = sum(r.tokens != new_tokens for r in records[name])
+                if name in servers:
+                    after = spec_counters(servers[name])
+                    row["decode_step_ms"] = step_ms(before[name], after, _STEP_TIME)
+                    if "SPECULATOR_PATH" in configs[name][0]:
+                        row.update(spec_stats(before[name], after))
                 rows[name].append(row)
                 print(
                     f"{name}: {concurrency} clients, {row['tokens_per_s']:.1f} tok/s, "
@@ -277,6 +291,41 @@ def sweep(
                     flush=True,
                 )
     return rows
+
+
+def compare(
+    results: dict[str, list[dict[str, Any]]],
+    base: str,
+    variants: list[str],
+    peers: list[str],
+    new_tokens: int,
+) -> list[dict[str, Any]]:
+    """Per level, each target's tokens/s and the ratios that compare them: every variant and peer
+    over `base`, and every variant over every peer. Prints them, and a warning for a target
+    whose requests did not all generate `new_tokens` tokens (its tokens/s then measures other
+    work). One dict of ratios per level."""
+    names = [base, *variants, *peers]
+    out = []
+    for i, level in enumerate(r["concurrency"] for r in results[base]):
+        row = {name: results[name][i] for name in names}
+        tps = {name: r["tokens_per_s"] for name, r in row.items()}
+        pairs = [(n, base) for n in [*variants, *peers]] + [(v, p) for v in variants for p in peers]
+        ratios = {f"{a}/{b}": tps[a] / tps[b] if tps[b] else float("nan") for a, b in pairs}
+        print(f"\n{level} clients:")
+        for name in names:
+            r = row[name]
+            print(
+                f"  {name:>16}: {r['tokens_per_s']:8.1f} tok/s, ITL p50 {r['itl_p50_ms']:6.1f} ms, "
+                f"TTFT p50 {r['ttft_p50_ms']:6.0f} ms, {r['requests']} requests"
+            )
+            if r["requests_not_new_tokens"]:
+                print(
+                    f"  warning: {r['requests_not_new_tokens']} of {name}'s requests did not "
+                    f"generate {new_tokens} tokens ({r['tokens']} in {r['requests']} requests)"
+                )
+        print("  " + ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items()))
+        out.append({"concurrency": level, **ratios})
+    return out
 
 
 def plot(off: list[dict[str, Any]], on: list[dict[str, Any]], path: Path) -> bool:
@@ -326,19 +375,47 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="extra server environment, e.g. MAX_BATCH_SIZE=32",
     )
+    parser.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("NAME", "KEY=VALUE"),
+        help="another server beside the first, its environment changed by KEY=VALUE..., e.g. "
+        "--variant int8 QUANTIZE=int8 (repeatable)",
+    )
+    parser.add_argument(
+        "--peer",
+        metavar="ADDRESS",
+        help="a TGIS-compatible gRPC server already running (host:port), taking turns too",
+    )
+    parser.add_argument("--peer-name", default="peer", help="the peer's name in the results")
     parser.add_argument("--out", type=Path, help="JSON output (default: bench/results/...)")
     args = parser.parse_args()
 
     prompts = chat_texts(AutoTokenizer.from_pretrained(str(args.model)), SERVING_PROMPTS)
     env = {"DTYPE_STR": "float32"}
     env.update(kv.split("=", 1) for kv in args.server_env)
-    configs = {"off": (env, ("SPECULATOR_PATH", "SPECULATOR_NAME"))}
+    base = "off" if args.speculator is not None else env["DTYPE_STR"]
+    configs = {base: (env, ("SPECULATOR_PATH", "SPECULATOR_NAME"))}
     if args.speculator is not None:
         configs["on"] = ({**env, "SPECULATOR_PATH": str(args.speculator.resolve())}, ())
+    peers = {args.peer_name: args.peer} if args.peer else {}
+    names = [name for name, *_ in args.variant] + list(peers)
+    if len(set(names)) < len(names) or {base, "on"} & set(names):
+        parser.error(f"variant and peer names must differ, and from {base!r} and 'on': {names}")
+    if any("=" not in kv for _, *kvs in args.variant for kv in kvs):
+        parser.error("a variant is a name followed by KEY=VALUE settings")
+    variants = {name: dict(kv.split("=", 1) for kv in kvs) for name, *kvs in args.variant}
+    for name, extra in variants.items():
+        unset = () if "SPECULATOR_PATH" in extra else ("SPECULATOR_PATH", "SPECULATOR_NAME")
+        configs[name] = ({**env, **extra}, unset)
     levels = list(args.concurrency)
     rounds = args.rounds or (4 if args.speculator is not None else 1)
-    results = sweep(args.model, configs, prompts, levels, args.new_tokens, args.duration, rounds)
-    rows, spec_rows = results["off"], results.get("on", [])
+    results = sweep(
+        args.model, configs, prompts, levels, args.new_tokens, args.duration, rounds, peers
+    )
+    rows, spec_rows = results[base], results.get("on", [])
     for off, on in zip(rows, spec_rows, strict=False):  # no speculator: spec_rows is empty
         on["speedup_vs_off"] = on["tokens_per_s"] / off["tokens_per_s"]
     lo, hi = rows[0], rows[-1]
@@ -376,14 +453,20 @@ def main() -> None:
                 f"({first_on['speedup_vs_off'] / (t / c):.0%} of predicted); "
                 f"on a GPU, where C is about 1: {t:.2f}x"
             )
+    comparison: list[dict[str, Any]] = []
+    if variants or peers:
+        print(f"\n{base} against {', '.join([*variants, *peers])}:")
+        comparison = compare(results, base, list(variants), list(peers), args.new_tokens)
     name = "serving_speculator" if spec_rows else "serving"
+    if comparison:
+        name = "serving_compare"
     out = args.out or RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
             {
                 "model": args.model.name,
-                "dtype": "float32",
+                "dtype": env["DTYPE_STR"],
                 "speculator": str(args.speculator) if args.speculator is not None else None,
                 "server_env": env,
                 "new_tokens": args.new_tokens,
@@ -392,6 +475,11 @@ def main() -> None:
                 "machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
                 "rows": rows,
                 "speculator_rows": spec_rows,
+                "variants": {
+                    n: {"server_env": configs[n][0], "rows": results[n]} for n in variants
+                },
+                "peers": {n: {"address": a, "rows": results[n]} for n, a in peers.items()},
+                "comparison": comparison,
                 "throughput_ratio": throughput_ratio,
                 "itl_p50_ratio": itl_ratio,
                 "targets": {
