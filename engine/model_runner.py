@@ -121,6 +121,9 @@ class ModelRunner:
         )
         load_weights(self.model, self.model_path)
         self.model.eval()
+        for module in self.model.modules():  # the kernels' copies become the only ones
+            if isinstance(module, QuantLinear):
+                module.build_kernel()
         if self.device.type == "cpu":
             self.kernel_table = choose_kernels(self.model.linears(), config.kernel_plan)
             logger.info(
