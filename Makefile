@@ -85,7 +85,7 @@ image-cpu: ## docker build the CPU image specserve:cpu (the default model baked 
 	docker build --target cpu -t specserve:cpu .
 
 .PHONY: bench
-bench: models ## Decode tokens/s of this engine vs transformers (batch 1 and 16), and the matmul floor
+bench: models ## Decode tokens/s of this engine vs transformers (batch 1 and 16), the matmul floor, and int8 and GPTQ 4-bit vs float32 at batch 1
 	$(PY) -m bench.bench_decode
 
 .PHONY: bench-kernels

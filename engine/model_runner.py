@@ -14,6 +14,7 @@ from engine.attention import AttentionBackend, AttentionMetadata, KVCache, selec
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphSequence, StepGraphs
 from engine.host_copy import to_device
+from engine.host_memory import release_free_heap
 from engine.kernels.cpu import check_cpu_bf16, load_cpu_kernels
 from engine.kernels.plan_store import choose_kernels
 from engine.kv_sizing import CudaMemory, DeviceMemory, MemoryGauge, kv_block_bytes, kv_pool_blocks
@@ -121,6 +122,9 @@ class ModelRunner:
         )
         load_weights(self.model, self.model_path)
         self.model.eval()
+        for module in self.model.modules():  # the kernels' copies become the only ones
+            if isinstance(module, QuantLinear):
+                module.build_kernel()
         if self.device.type == "cpu":
             self.kernel_table = choose_kernels(self.model.linears(), config.kernel_plan)
             logger.info(
@@ -130,6 +134,7 @@ class ModelRunner:
                     for (k, n), plan in self.kernel_table.chosen.items()
                 ),
             )
+            release_free_heap()  # the loading's temporaries
         self.kv_caches: list[KVCache] = []
         self._kv_pool = torch.empty(0)
         self.graphs: StepGraphs | None = None

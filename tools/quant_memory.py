@@ -4,10 +4,12 @@
 decoder layer as `QuantizedWeight`s (4 bits: half a byte a weight; 8 bits: a byte; plus float32
 scales per group and output row, int8 zero points when asymmetric, an int64 permutation of the
 input columns with act-order) or in the model dtype, and the embeddings, norms and LM head in
-the model dtype (the head tied to the embeddings or not). `kv_tokens` applies the engine's KV
-sizing rule (`engine.kv_sizing.num_blocks_from_memory`) to a simulated device: the peak of the
-profile step is the weights plus an activation estimate, and the CUDA context's memory outside
-torch is taken as 0.5 GiB.
+the model dtype (the head tied to the embeddings or not). A quantized layer keeps only its
+kernel's repacked copy: the same bytes, except that the CPU kernels pad the output features to a
+multiple of 16 and the CUDA kernels keep asymmetric zero points as int32. `kv_tokens` applies
+the engine's KV sizing rule (`engine.kv_sizing.num_blocks_from_memory`) to a simulated device:
+the peak of the profile step is the weights plus an activation estimate, and the CUDA context's
+memory outside torch is taken as 0.5 GiB.
 
     python -m tools.quant_memory [--model PATH]
 """

@@ -9,13 +9,13 @@ rounding. One path serves every M: a pass over the weights takes up to 16 rows (
 more rows run in passes that read the weights from cache, which outran dequantising the weight
 and calling a float32 GEMM at every row count measured (bench/bench_quant.py).
 
-What it keeps (the caller drops its `QuantizedWeight`): the integers, one byte a weight (8 bits)
-or half a byte (4 bits), the output features padded to a multiple of 16; float32 scales and,
-when asymmetric, int8 zeros, one each per output feature and group; the permutation (int64
-[in]) when act-ordered; the bias padded.
+What it keeps, the only copy of the weight (the caller drops its `QuantizedWeight`; `unpack`
+rebuilds it): the integers, one byte a weight (8 bits) or half a byte (4 bits), the output
+features padded to a multiple of 16; float32 scales and, when asymmetric, int8 zeros, one each
+per output feature and group; the permutation (int64 [in]) when act-ordered; the bias padded.
 
-Without a C compiler the same product runs as ATen ops on the dequantised weight (slow: a
-fallback, not a path to serve from).
+Without a C compiler the same product runs as ATen ops on the `QuantizedWeight` as it is,
+dequantised at each call (slow: a fallback, not a path to serve from).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from engine.kernels.cpu import bind
 from engine.kernels.rows import RowsGemm, load_rows_gemm
 from engine.quant.reference import quantize_rows
-from engine.quant.weights import QuantizedWeight
+from engine.quant.weights import QuantizedWeight, pack_int4
 
 PANEL = 16
 _P = ctypes.c_void_p
@@ -74,12 +74,35 @@ class PackedQuant:
         kept = [self.packed, self.scales, self.zeros, self.perm]
         return sum(t.numel() * t.element_size() for t in kept if t is not None)
 
+    def unpack(self) -> QuantizedWeight:
+        """The `QuantizedWeight` this was packed from (`pack_quantized`'s inverse)."""
+        panels, k = self.packed.shape[0], self.in_features
+        u = self.packed
+        if self.bits == 4:
+            u = torch.stack((u & 0x0F, u >> 4), dim=2)  # [P, in / 8, 2, 16, 4]
+        u = u.reshape(panels, k // 4, PANEL, 4).transpose(1, 2).reshape(panels * PANEL, k)
+        q = (u[: self.out_features].to(torch.int16) - (128 if self.bits == 8 else 8)).to(torch.int8)
+        zeros = None if self.zeros is None else _unpanel(self.zeros, self.out_features)
+        return QuantizedWeight(
+            bits=self.bits,
+            group_size=self.group_size,
+            qweight=q if self.bits == 8 else pack_int4(q),
+            scales=_unpanel(self.scales, self.out_features),
+            zeros=zeros,
+            perm=self.perm,
+        )
+
 
 def _panels(t: torch.Tensor, panels: int) -> torch.Tensor:
     """[out, c] -> [panels, c, 16]: output features padded with zeros to panels * 16."""
     padded = torch.zeros((panels * PANEL, t.shape[1]), dtype=t.dtype)
     padded[: t.shape[0]] = t
     return padded.view(panels, PANEL, -1).transpose(1, 2).contiguous()
+
+
+def _unpanel(t: torch.Tensor, out: int) -> torch.Tensor:
+    """`_panels`' inverse: [panels, c, 16] -> [out, c]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:out].contiguous()
 
 
 def pack_quantized(weight: QuantizedWeight) -> PackedQuant:
@@ -102,31 +125,45 @@ def pack_quantized(weight: QuantizedWeight) -> PackedQuant:
     )
 
 
-def _torch_product(pq: PackedQuant, bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
-    """The same product as ATen ops on the weight dequantised at each call (no C compiler)."""
-    panels = pq.packed.shape[0]
-    if pq.bits == 8:
-        u = pq.packed.to(torch.int16)
-    else:
-        low, high = pq.packed & 0x0F, pq.packed >> 4
-        u = torch.stack((low, high), dim=2).to(torch.int16)  # [P, in/8, 2, 16, 4]
-    u = u.reshape(panels, pq.in_features // 4, PANEL, 4).transpose(1, 2)
-    w_int = u.reshape(panels * PANEL, pq.in_features)[: pq.out_features]
+def _torch_product(
+    weight: QuantizedWeight, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The same product as ATen ops on `weight`, dequantised at each call (no C compiler)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        xs = x if pq.perm is None else x[:, pq.perm]
+        xs = x if weight.perm is None else x[:, weight.perm]
         xq, sx = quantize_rows(xs)
-        q = w_int.to(torch.float32) - (128 if pq.bits == 8 else 8)
-        groups = pq.in_features // pq.group_size
-        scales = pq.scales.transpose(1, 2).reshape(panels * PANEL, groups)[: pq.out_features]
-        if pq.zeros is not None:
-            zeros = pq.zeros.transpose(1, 2).reshape(panels * PANEL, groups)[: pq.out_features]
-            q = q - zeros.to(torch.float32).repeat_interleave(pq.group_size, dim=1)
-        w = q * scales.repeat_interleave(pq.group_size, dim=1)
+        w = weight.int_values().to(torch.float32)  # the stored (perm) column order
+        if weight.zeros is not None:
+            w = w - weight.zeros.to(torch.float32).repeat_interleave(weight.group_size, dim=1)
+        w = w * weight.scales.repeat_interleave(weight.group_size, dim=1)
         y = (xq.to(torch.float32) @ w.T) * sx[:, None]
         return y if bias is None else y + bias
 
     return forward
+
+
+class RowsQuantLinear:
+    """A built product (`engine.quant.kernels.QuantKernel`): `forward` over `packed`, the
+    weight's only copy, or, without a C compiler, over the `QuantizedWeight` itself."""
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor], torch.Tensor],
+        packed: PackedQuant | QuantizedWeight,
+    ) -> None:
+        self.forward, self.packed = forward, packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+    def unpack(self) -> QuantizedWeight:
+        packed = self.packed
+        return packed.unpack() if isinstance(packed, PackedQuant) else packed
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
 
 
 def build_quant_kernel(
@@ -134,17 +171,26 @@ def build_quant_kernel(
     bias: torch.Tensor | None,
     *,
     variant: Literal["native", "avx2", "scalar"] = "native",
-) -> Callable[[torch.Tensor], torch.Tensor]:
+) -> RowsQuantLinear:
     """x float32 [M, in] (CPU; any M >= 1) -> y float32 [M, out] = `reference_linear(x, weight,
     bias, int8_activations=True)` to float32 rounding. `variant` picks the build (as
     `load_rows_gemm`: "native" for this CPU; "avx2", "scalar" for tests). ValueError at build
     time for a weight the kernels cannot take (`check_supported`). Sets the rows pool's threads
-    to torch's (process-wide, as the float32 rows kernel's build does)."""
-    pq = pack_quantized(weight)
+    to torch's (process-wide, as the float32 rows kernel's build does). The kernel keeps the
+    weight repacked (`PackedQuant`), not `weight`."""
+    check_supported(weight)
     bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
     rows = load_rows_gemm(variant)
     if rows is None:
-        return _torch_product(pq, bias32)
+        return RowsQuantLinear(_torch_product(weight, bias32), weight)
+    pq = pack_quantized(weight)
+    return RowsQuantLinear(_rows_product(rows, pq, bias32), pq)
+
+
+def _rows_product(
+    rows: RowsGemm, pq: PackedQuant, bias32: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`build_quant_kernel`'s product through the rows library."""
     rows.set_threads(torch.get_num_threads())  # process-wide, as the float rows kernel does
     padded_bias = None if bias32 is None else rows.pad_bias(bias32)
     n, k = pq.out_features, pq.in_features

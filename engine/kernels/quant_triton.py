@@ -42,7 +42,7 @@ from engine.kernels.quant_triton_kernels import (
     quantize_rows_kernel,
     reduce_splits_kernel,
 )
-from engine.quant.weights import QuantizedWeight
+from engine.quant.weights import QuantizedWeight, pack_int4
 
 ROW_TIERS = (16, 32, 64)
 """BLOCK_M of the row counts up to each value; larger M take `PREFILL_BLOCK_M`."""
@@ -141,7 +141,8 @@ def pack_k_major(weight: QuantizedWeight) -> torch.Tensor:
 
 class TritonQuantLinear:
     """y = x @ W.T + bias for one `QuantizedWeight` on the Triton kernels; see the module
-    docstring. Holds only the repacked tensors, on the weight's device."""
+    docstring. Holds only the repacked tensors, on the weight's device (the caller drops its
+    `QuantizedWeight`; `unpack` rebuilds it)."""
 
     def __init__(
         self,
@@ -173,6 +174,29 @@ class TritonQuantLinear:
         self.dot_dtype = dtype
         if device.type == "cpu" and dtype == torch.bfloat16:
             self.dot_dtype = torch.float32  # the interpreter's tl.dot takes no bf16
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the repacked weight (the bias apart)."""
+        kept = [self.words, self.scales, self.zeros, self.perm]
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)
+
+    def unpack(self) -> QuantizedWeight:
+        """The `QuantizedWeight` this was built from (`pack_k_major`'s inverse), on the
+        weight's device."""
+        bits = self.bits
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=self.words.device)
+        values = (self.words.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)
+        values = values - (values >= (1 << (bits - 1))).to(torch.int32) * (1 << bits)
+        q = values.reshape(self.in_features, self.out_features).T.to(torch.int8).contiguous()
+        return QuantizedWeight(
+            bits=bits,
+            group_size=self.group_size,
+            qweight=q if bits == 8 else pack_int4(q),
+            scales=self.scales.T.contiguous(),
+            zeros=None if self.zeros is None else self.zeros.T.to(torch.int8).contiguous(),
+            perm=self.perm,
+        )
 
     def tiles(self, m: int) -> Tiles:
         return choose_tiles(m, self.out_features, self.in_features, self.group_size, self.num_sms)

@@ -2,8 +2,10 @@
 
 It stands in for `engine.layers.linear.Linear` in the decoder layers (same `forward`, `bias`,
 `silu_and_mul`, `in_features`, `out_features`), and runs the kernel
-`engine.quant.kernels.quant_kernel` chooses, built at the first `forward` after the weights
-changed. The weights arrive through the checkpoint loader's sinks:
+`engine.quant.kernels.quant_kernel` chooses. The weights arrive through the checkpoint loader's
+sinks as a `QuantizedWeight`, which `build_kernel` (or the first `forward` after the weights
+changed) hands to the kernel: from then on the kernel's copy, in its own layout, is the only one
+(`unpack_weight` rebuilds the logical form for checks).
 
 - "int8": `load_rows` takes float rows (any dtype) and keeps only their int8 values and one
   scale per row (max |row| / 127, round half to even: `engine.quant.reference.quantize_rows`),
@@ -49,16 +51,7 @@ class QuantLinear(nn.Module):
         self.bias: torch.Tensor | None = (
             torch.zeros(out_features, dtype=dtype, device=self.device) if bias else None
         )
-        self.weight: QuantizedWeight | None = None
-        if scheme.method == "int8":
-            self.weight = QuantizedWeight(
-                bits=8,
-                group_size=in_features,
-                qweight=torch.zeros(out_features, in_features, dtype=torch.int8, device=device),
-                scales=torch.zeros(out_features, 1, dtype=torch.float32, device=device),
-                zeros=None,
-                perm=None,
-            )
+        self._weight: QuantizedWeight | None = None  # loaded, not handed to a kernel yet
         self._raw: dict[int, dict[str, torch.Tensor]] = {}  # gptq: part row -> field -> tensor
         self._parts: dict[int, GptqPart | None] = {}  # gptq: part row -> its unpacked form
         self._kernel: QuantKernel | None = None
@@ -74,7 +67,7 @@ class QuantLinear(nn.Module):
     def load_rows(self, row_offset: int, weight: torch.Tensor) -> None:
         """int8: quantize float rows [rows, in] into rows [row_offset, row_offset + rows) of W.
         ValueError naming the shapes when they do not fit."""
-        if self.weight is None or self.scheme.method != "int8":
+        if self.scheme.method != "int8":
             raise ValueError("load_rows: a GPTQ layer takes qweight, qzeros, scales and g_idx")
         rows = weight.shape[0] if weight.dim() == 2 else -1
         if weight.dim() != 2 or weight.shape[1] != self.in_features or row_offset < 0:
@@ -86,14 +79,32 @@ class QuantLinear(nn.Module):
             raise ValueError(
                 f"load_rows: rows [{row_offset}, {row_offset + rows}) exceed {self.out_features}"
             )
+        into = self._loading_int8()
         with torch.no_grad():
             for start in range(0, rows, 1024):  # bounds the float32 temporaries
                 chunk = weight[start : start + 1024].to(torch.float32)
                 q, s = quantize_rows(chunk)
                 at = row_offset + start
-                self.weight.qweight[at : at + chunk.shape[0]].copy_(q)
-                self.weight.scales[at : at + chunk.shape[0], 0].copy_(s)
-        self._kernel = None
+                into.qweight[at : at + chunk.shape[0]].copy_(q)
+                into.scales[at : at + chunk.shape[0], 0].copy_(s)
+
+    def _loading_int8(self) -> QuantizedWeight:
+        """int8: the weight rows are written into (the kernel's, unpacked, once it is built)."""
+        if self._weight is None:
+            if self._kernel is not None:
+                self._weight = self._kernel.unpack()
+            else:
+                n, k, device = self.out_features, self.in_features, self.device
+                self._weight = QuantizedWeight(
+                    bits=8,
+                    group_size=k,
+                    qweight=torch.zeros(n, k, dtype=torch.int8, device=device),
+                    scales=torch.zeros(n, 1, dtype=torch.float32, device=device),
+                    zeros=None,
+                    perm=None,
+                )
+            self._kernel = None
+        return self._weight
 
     def expect_part(self, row_offset: int) -> None:
         """gptq: a part of the fused layer starts at output row `row_offset`."""
@@ -116,41 +127,51 @@ class QuantLinear(nn.Module):
         )  # fmt: skip
         if all(p is not None for p in self._parts.values()):
             parts = [p for _, p in sorted(self._parts.items()) if p is not None]
-            self.weight = _to_device(assemble(parts, s.bits), self.device)
+            self._weight = _to_device(assemble(parts, s.bits), self.device)
             self._parts = {row: None for row in self._parts}  # drop the unpacked copies
             self._kernel = None
 
     # -- running --------------------------------------------------------------------------
 
+    def build_kernel(self) -> QuantKernel:
+        """The layer's kernel, built from the loaded weight if the weights changed since; the
+        layer then drops its `QuantizedWeight` (the kernel keeps its own copy). RuntimeError
+        when no weight has been loaded."""
+        kernel = self._kernel
+        if kernel is None:
+            if self._weight is None:
+                raise RuntimeError("QuantLinear: the weights have not been loaded")
+            kernel = self._kernel = quant_kernel(
+                self._weight, self.bias, self.device, self.dtype, self.scheme.method
+            )
+            self._weight = None
+        return kernel
+
+    def unpack_weight(self) -> QuantizedWeight:
+        """The layer's weight in its logical form, rebuilt from the kernel's copy (builds the
+        kernel; for checks and tests: nothing keeps what it returns)."""
+        return self.build_kernel().unpack()
+
     def weight_bytes(self) -> int:
-        """Resident bytes of the quantized weight and the bias."""
-        w = self.weight
-        tensors = [] if w is None else [w.qweight, w.scales, w.zeros, w.perm]
-        tensors.append(self.bias)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        """Resident bytes of the weight, as the kernel keeps it (builds the kernel), and the
+        bias."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.build_kernel().nbytes + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in_features] -> [M, out_features] in the layer's dtype."""
         kernel = self._kernel
         if kernel is None:
-            if self.weight is None:
-                raise RuntimeError("QuantLinear: the weights have not been loaded")
-            kernel = self._kernel = quant_kernel(
-                self.weight, self.bias, self.device, self.dtype, self.scheme.method
-            )
+            kernel = self.build_kernel()
         return kernel(x)
 
     def warm_up(self, max_rows: int) -> None:
         """Compile every variant the layer's kernel launches for up to `max_rows` rows (a
         Triton kernel's `warm_up`; nothing for kernels that do not compile), so that no step
-        compiles while serving."""
-        if self.weight is None:
+        compiles while serving. Nothing for a layer without weights."""
+        if self._weight is None and self._kernel is None:
             return
-        if self._kernel is None:
-            self._kernel = quant_kernel(
-                self.weight, self.bias, self.device, self.dtype, self.scheme.method
-            )
-        warm = getattr(self._kernel, "warm_up", None)
+        warm = getattr(self.build_kernel(), "warm_up", None)
         if warm is not None:
             warm(max_rows)
 

@@ -77,6 +77,12 @@ class QuantizedWeight:
     def in_features(self) -> int:
         return int(self.qweight.shape[1]) * (8 // self.bits)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the integers, scales, zeros and permutation."""
+        kept = [self.qweight, self.scales, self.zeros, self.perm]
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)
+
     def int_values(self) -> torch.Tensor:
         """q as int8 [out, in], in the stored (perm) column order."""
         if self.bits == 8:

@@ -68,8 +68,8 @@ def _layer_weights(model: LlamaModel) -> dict[str, torch.Tensor]:
             (mlp.gate_up_proj, ("gate_proj", "up_proj"), None),
             (mlp.down_proj, ("down_proj",), None),
         ):
-            assert isinstance(fused, QuantLinear) and fused.weight is not None
-            w = fused.weight.dequantize()
+            assert isinstance(fused, QuantLinear)
+            w = fused.unpack_weight().dequantize()
             chunks = w.split(list(sizes)) if sizes else w.chunk(len(names))
             prefix = (
                 "self_attn."
@@ -110,9 +110,10 @@ def test_act_order_loads_a_permutation(tmp_path: Path) -> None:
     src = require_model(model_path(TINY))
     folder = write_gptq(src, tmp_path / "gptq", VARIANTS["4bit-g16-asym-actorder"])
     layer = _model(folder).layers[0].self_attn.qkv_proj
-    assert isinstance(layer, QuantLinear) and layer.weight is not None
-    assert layer.weight.perm is not None and layer.weight.group_size == 16
-    assert layer.weight.zeros is not None
+    assert isinstance(layer, QuantLinear)
+    weight = layer.unpack_weight()
+    assert weight.perm is not None and weight.group_size == 16
+    assert weight.zeros is not None
 
 
 def test_partial_last_group_becomes_smaller_whole_groups(tmp_path: Path) -> None:
@@ -120,8 +121,9 @@ def test_partial_last_group_becomes_smaller_whole_groups(tmp_path: Path) -> None
     src = require_model(model_path(TINY))
     folder = write_gptq(src, tmp_path / "gptq", VARIANTS["4bit-g48-partial-group"])
     layer = _model(folder).layers[0].self_attn.qkv_proj
-    assert isinstance(layer, QuantLinear) and layer.weight is not None
-    assert layer.weight.group_size == 16 and layer.weight.scales.shape[1] == 4
+    assert isinstance(layer, QuantLinear)
+    weight = layer.unpack_weight()
+    assert weight.group_size == 16 and weight.scales.shape[1] == 4
 
 
 @pytest.mark.parametrize("where", ["quantize_config.json", "config.json"])

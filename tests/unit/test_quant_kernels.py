@@ -171,7 +171,26 @@ def test_aten_fallback_matches() -> None:
         w = make_weight(20, 128, bits, gs, asym, perm)
         bias = torch.randn(20)
         x = torch.randn(5, 128)
-        assert_matches(_torch_product(pack_quantized(w), bias)(x), x, w, bias)
+        assert_matches(_torch_product(w, bias)(x), x, w, bias)
+
+
+@pytest.mark.parametrize(
+    ("out", "k", "bits", "gs", "asym", "perm"),
+    [(40, 64, 8, 64, False, False), (20, 128, 8, 32, True, True), (33, 96, 4, 32, True, True),
+     (16, 64, 4, 64, False, False)],
+)  # fmt: skip
+def test_unpack_gives_back_the_weight(
+    out: int, k: int, bits: int, gs: int, asym: bool, perm: bool
+) -> None:
+    """The kernel's copy is the layer's only one: what it unpacks is the weight it was built
+    from, field for field (output features padded to 16 dropped again)."""
+    w = make_weight(out, k, bits, gs, asym, perm)
+    for got in (pack_quantized(w).unpack(), build_quant_kernel(w, None).unpack()):
+        assert (got.bits, got.group_size) == (w.bits, w.group_size)
+        for a, b in ((got.qweight, w.qweight), (got.scales, w.scales), (got.zeros, w.zeros),
+                     (got.perm, w.perm)):  # fmt: skip
+            assert (a is None) == (b is None)
+            assert a is None or b is None or (a.dtype == b.dtype and torch.equal(a, b))
 
 
 def test_resident_bytes() -> None:

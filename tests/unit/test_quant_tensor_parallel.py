@@ -42,8 +42,8 @@ def test_two_ranks_equal_transformers(fmt: str, tmp_path: Path) -> None:
         tensor_parallel_size=2, master_port=free_port(),
     ) as llm:  # fmt: skip
         o_proj = llm.runner.model.layers[0].self_attn.o_proj
-        assert isinstance(o_proj, QuantLinear) and o_proj.weight is not None
-        assert o_proj.weight.in_features == llm.runner.config.hidden_size // 2
+        assert isinstance(o_proj, QuantLinear)
+        assert o_proj.unpack_weight().in_features == llm.runner.config.hidden_size // 2
         outputs = llm.generate(prompts, MAX_NEW_TOKENS, return_logits=True)
     for prompt, out in zip(prompts, outputs, strict=True):
         compare_a8(out, oracle_greedy(oracle, prompt, MAX_NEW_TOKENS))

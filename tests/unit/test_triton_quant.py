@@ -173,6 +173,19 @@ def test_k_major_packing_holds_each_value_in_its_bits(bits: int) -> None:
         assert torch.equal(field, q.T[j::pack].cpu().to(torch.int64)), j
 
 
+@pytest.mark.parametrize(("bits", "asym", "perm"), [(4, True, True), (8, False, False)])
+def test_unpack_gives_back_the_weight(bits: int, asym: bool, perm: bool) -> None:
+    """The kernel's copy is the layer's only one: it unpacks to the weight it was built from."""
+    weight = random_weight(bits, 32, asym, perm, seed=3)
+    kernel = build_quant_kernel_cuda(weight, None, int8_activations=False, dtype=torch.float16)
+    got = kernel.unpack()
+    assert (got.bits, got.group_size) == (weight.bits, weight.group_size)
+    for a, b in ((got.qweight, weight.qweight), (got.scales, weight.scales),
+                 (got.zeros, weight.zeros), (got.perm, weight.perm)):  # fmt: skip
+        assert (a is None) == (b is None)
+        assert a is None or b is None or (a.dtype == b.dtype and torch.equal(a, b))
+
+
 def test_unsupported_group_size_is_refused() -> None:
     weight = QuantizedWeight(
         8, 8, torch.zeros(4, 16, dtype=torch.int8), torch.ones(4, 2), None, None
