@@ -25,12 +25,13 @@ from engine.outputs import RequestEventType as Event
 from engine.request import PromptPrefix, Request
 from engine.sampling.params import SamplingParams, draw_seed
 from engine.sampling.prompt_logprobs import PromptLogprobs
-from engine.sampling.sampler import Choices, PendingChoices, Sampler, TokenLogprobs
+from engine.sampling.sampler import Choices, Sampler, TokenLogprobs
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from engine.spec_decode.drafter import Drafter, DraftingView, PendingDrafts
 from engine.spec_decode.policy import Method
 from engine.spec_decode.tree import DraftTree
 from engine.spec_decode.verifier import accepted_slot_moves
+from engine.spec_decode.walk import choose_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +298,8 @@ class LLMEngine:
                 self.prompt_logprobs.record(req, rows, positions)
             except (RuntimeError, ValueError) as e:
                 results.errors[req.request_id] = str(e)
-        pending = self._choose(out, batch)
+        drafting = self.drafter is not None and self.drafter.drafts_on_device
+        pending = choose_tokens(self.sampler, out.logits, self.runner.rows_index, batch, drafting)
         if pending is not None and pending.token_ids is not None and self.drafter is not None:
             # the rows' tokens stay on the device when the drafter drafts there
             results.drafts = self.drafter.launch(
@@ -337,17 +339,6 @@ class LLMEngine:
         self._observe(out, batch)
         self.runner.copy_slots(*accepted_slot_moves(batch.verifying, self.kv))
         return results
-
-    def _choose(self, out: ModelOutput, batch: StepBatch) -> PendingChoices | None:
-        """One token (or an error) for each of the batch's choice rows, in one sampler call,
-        up to the step's read (None: no choice rows)."""
-        if not batch.choice_rows:
-            return None
-        logits = out.logits[self.runner.rows_index(batch.choice_rows)]
-        drafting = self.drafter is not None and self.drafter.drafts_on_device
-        return self.sampler.sample_on_device(
-            logits, batch.choice_requests, batch.choice_emitted, token_ids=drafting
-        )
 
     def _observe(self, out: ModelOutput, batch: StepBatch) -> None:
         """Show the observers the rows the step's tokens were chosen from: the sampled rows,

@@ -2,10 +2,10 @@
 
 A request's tree was computed in one forward pass: row `first_row + node` holds the logits that
 follow node `node` (row `first_row` follows the root, the request's last known token). A token is
-chosen at every node at once, as the request would choose it after the drafts on the node's path
-(every logit rule, seeded draws, details), so the step reads its choices from the device once.
-The walk then starts at the root and descends to the child holding the node's choice while there
-is one:
+chosen at a node as the request would choose it after the drafts on the node's path (every logit
+rule, seeded draws, details): at every node at once off a CPU, so the step reads its choices from
+the device once, or only at the nodes the walk reaches on a CPU (`walk.chooses_lazily`). The
+walk starts at the root and descends to the child holding the node's choice while there is one:
 
     accepted tokens  the drafts on the walked path (each equal to the request's own choice)
     bonus token      the choice at the last walked node, which no child holds
@@ -57,7 +57,8 @@ class Verification:
 
     def walk(self, choices: Choices) -> None:
         """Walk the tree from the root over `choices`, which hold the choice at node n at index
-        `first_choice + n`, until a node's choice is held by none of its children, or failed."""
+        `first_choice + n` (at least at the nodes the walk reaches), until a node's choice is
+        held by none of its children, or failed."""
         while True:
             i = self.first_choice + self.node
             if choices.errors[i] is not None:

@@ -144,7 +144,8 @@ def test_verify_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> N
     """A step that walks draft trees two drafts deep for greedy, penalised, logprob and sampled
     requests (every sampling rule, alone and combined), and also runs a new prompt to its first
     token, reads the device once: the choices at every tree node and at the prompt's last row
-    come back in one `tolist`."""
+    come back in one `tolist`. The model on CPU counts the reads, on the path a device takes
+    (a CPU itself chooses along the walks, a call per tree level: `walk.chooses_lazily`)."""
     path: Path = require_model(model_path(MODEL))
     sampled = [
         SamplingParams(max_new_tokens=8, temperature=0.8, seed=7, logprobs=True),
@@ -172,6 +173,7 @@ def test_verify_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> N
     sequences = [prompts[request_id] + tokens for request_id, tokens in outputs.items()]
     proposer = ScriptedProposer(sequences, accept_lengths=[2], num_heads=3, n_candidates=3)
     speculating = engine(Drafter(proposer, None, max_batch_size=12))
+    monkeypatch.setattr("engine.spec_decode.walk.chooses_lazily", lambda device, row_tokens: False)
     speculating.step()  # the prompts; every request drafts a tree
     speculating.add_request("new", list(range(40, 52)), SamplingParams(max_new_tokens=8))
     reads = _count_reads(monkeypatch)
