@@ -31,13 +31,15 @@ class ZeroBias:
             raise ValueError("a non-zero bias where the model has none")
 
 
-def _word_range(span: tuple[int, int], pack: int, what: str) -> tuple[int, int]:
-    if span[0] % pack or span[1] % pack:
+def _word_range(span: tuple[int, int], pack: int, what: str, total: int) -> tuple[int, int]:
+    """The packed words holding values [start, end) of `total`; the last word of the tensor
+    may be partly filled (a vocabulary that is no multiple of `pack`)."""
+    if span[0] % pack or (span[1] % pack and span[1] != total):
         raise ValueError(
             f"{what} [{span[0]}, {span[1]}) of this rank do not start and end on a packed "
             f"word of {pack} values: the GPTQ layer cannot be split over these ranks"
         )
-    return span[0] // pack, span[1] // pack
+    return span[0] // pack, math.ceil(span[1] / pack)
 
 
 def gptq_targets(targets: dict[str, WeightTarget]) -> dict[str, WeightTarget]:
@@ -62,7 +64,11 @@ def gptq_targets(targets: dict[str, WeightTarget]) -> dict[str, WeightTarget]:
         try:
             if target.source_cols is None:  # the whole input; these output rows
                 rows = target.source_rows
-                words = None if rows is None else _word_range(rows, pack, f"{base} output rows")
+                words = (
+                    None
+                    if rows is None
+                    else _word_range(rows, pack, f"{base} output rows", out_total)
+                )
                 result |= {
                     f"{base}.qweight": WeightTarget(
                         sink("qweight"), 0, (in_total // pack, out_total), source_cols=rows
@@ -77,7 +83,7 @@ def gptq_targets(targets: dict[str, WeightTarget]) -> dict[str, WeightTarget]:
                 }
             else:  # row-parallel: these input columns; every output row
                 cols = target.source_cols
-                words = _word_range(cols, pack, f"{base} input columns")
+                words = _word_range(cols, pack, f"{base} input columns", in_total)
                 result |= {
                     f"{base}.qweight": WeightTarget(
                         sink("qweight"), 0, (in_total // pack, out_total), source_rows=words
