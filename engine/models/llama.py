@@ -44,7 +44,7 @@ from engine.models.decoder import DecoderLayer, DecoderParts
 from engine.models.loader import TensorSink, WeightTarget
 from engine.parallel.shard import Shard, ShardLayout
 from engine.quant.scheme import QuantScheme
-from engine.quant.targets import gptq_targets
+from engine.quant.targets import gptq_targets, undeclared_head
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -250,4 +250,8 @@ class LlamaModel(nn.Module):
             if o_bias is not None:  # added once: by rank 0, before the sum over ranks
                 o_dest = o_bias if rank == 0 else None
                 targets[p + "self_attn.o_proj.bias"] = WeightTarget(o_dest, 0, (hidden,), residual)
-        return gptq_targets(targets) if self.quant and self.quant.method == "gptq" else targets
+        if not (self.quant and self.quant.method == "gptq"):
+            return targets
+        if not self.quant.lm_head:
+            targets |= undeclared_head(self.quant, cfg.vocab_size, hidden)
+        return gptq_targets(targets)

@@ -21,6 +21,7 @@ import torch
 
 from engine.layers.quant_linear import GptqSink, QuantLinear
 from engine.models.loader import WeightTarget
+from engine.quant.scheme import QuantScheme
 
 
 class ZeroBias:
@@ -29,6 +30,31 @@ class ZeroBias:
     def load_rows(self, row_offset: int, tensor: torch.Tensor) -> None:
         if bool(tensor.any()):
             raise ValueError("a non-zero bias where the model has none")
+
+
+class Undeclared:
+    """Checkpoint tensors the quantization config does not declare: refused, saying why."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def load_rows(self, row_offset: int, tensor: torch.Tensor) -> None:
+        raise ValueError(self.why)
+
+
+def undeclared_head(scheme: QuantScheme, vocab: int, hidden: int) -> dict[str, WeightTarget]:
+    """Targets that refuse a quantized LM head's tensors (of `scheme`'s shapes) in a checkpoint
+    whose config does not declare `lm_head` true."""
+    pack = 32 // scheme.bits
+    groups = 1 if scheme.group_size == -1 else math.ceil(hidden / scheme.group_size)
+    sink = Undeclared(f"a quantized LM head, but {scheme.source} does not declare 'lm_head' true")
+    shapes = {
+        "qweight": (hidden // pack, vocab),
+        "qzeros": (groups, math.ceil(vocab / pack)),
+        "scales": (groups, vocab),
+        "g_idx": (hidden,),
+    }
+    return {f"lm_head.{f}": WeightTarget(sink, 0, s, optional=True) for f, s in shapes.items()}
 
 
 def _word_range(span: tuple[int, int], pack: int, what: str, total: int) -> tuple[int, int]:
