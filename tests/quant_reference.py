@@ -118,8 +118,13 @@ def oracle_model(
 ) -> PreTrainedModel:
     """transformers float32 with `weights` in place and, with `int8_activations`, every
     projection's input fake-quantized (`fake_quant_rows`; the row-parallel ones per shard's
-    slice with `num_shards` > 1)."""
+    slice with `num_shards` > 1). A quantized LM head (`lm_head.weight` in `weights`) is untied
+    from the float embedding table and its input fake-quantized too."""
     model = AutoModelForCausalLM.from_pretrained(str(float_folder), dtype=torch.float32).eval()
+    head = model.get_output_embeddings()
+    if "lm_head.weight" in weights and head.weight is model.get_input_embeddings().weight:
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        model.config.tie_word_embeddings = False
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, w in weights.items():
@@ -128,7 +133,7 @@ def oracle_model(
         for name, module in model.named_modules():
             if num_shards > 1 and name.endswith(ROW_PARALLEL):
                 module.register_forward_pre_hook(fake_quant_slices(num_shards))
-            elif name.endswith(PROJECTIONS):
+            elif name.endswith(PROJECTIONS) or (name == "lm_head" and "lm_head.weight" in weights):
                 module.register_forward_pre_hook(fake_quant_rows)
     return model
 

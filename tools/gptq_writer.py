@@ -1,17 +1,21 @@
 """Write a GPTQ checkpoint of a float Llama-family folder, for tests and measurements.
 
-Round-to-nearest (no calibration) into GPTQ's storage, as AutoGPTQ / transformers / GPTQModel
-write it: per linear layer of the decoder (q, k, v, o, gate, up, down) `qweight` int32
-[in / pack, out], `qzeros` int32 [groups, out / pack], `scales` fp16 [groups, out], `g_idx` int32
-[in] (pack = 32 / bits, lowest bits first) and, as AutoGPTQ does, a zero `bias`; everything else
-(embeddings, norms, the LM head) is copied as it is. Options: 4 or 8 bits, any group size (-1:
-one group per row; a size that does not divide the input leaves a shorter last group, as GPTQ
-does), symmetric (zero point 2**(bits-1)) or asymmetric zeros, the "gptq" format (zero points
-stored minus one) or "gptq_v2", act-order (`--act-order`: the columns are quantized in the order
-of decreasing norm over the layers sharing the input, q/k/v and gate/up, which is how GPTQ orders
-them by its Hessian's diagonal; g_idx records it), safetensors shards.
+Round-to-nearest (no calibration) into GPTQ's storage, as AutoGPTQ / transformers / GPTQModel write
+it: per linear layer of the decoder (q, k, v, o, gate, up, down) `qweight` int32 [in / pack, out],
+`qzeros` int32 [groups, out / pack], `scales` fp16 [groups, out], `g_idx` int32 [in] (pack = 32 /
+bits, lowest bits first) and, as AutoGPTQ does, a zero `bias`; everything else (embeddings, norms,
+the LM head) is copied as it is, except with `--lm-head`: the LM head is quantized too
+(`lm_head.qweight`, ... and `"lm_head": true`, as GPTQModel writes it), and a tied model is written
+untied (`tie_word_embeddings` false): its float table stays `model.embed_tokens.weight` and the head
+becomes a layer of its own. Options: 4 or 8 bits, any group size (-1: one group per row; a size that
+does not divide the input leaves a shorter last group, as GPTQ does), symmetric (zero point
+2**(bits-1)) or asymmetric zeros, the "gptq" format (zero points stored minus one) or "gptq_v2",
+act-order (`--act-order`: the columns are quantized in the order of decreasing norm over the layers
+sharing the input, q/k/v and gate/up, which is how GPTQ orders them by its Hessian's diagonal; g_idx
+records it), safetensors shards.
 
     python -m tools.gptq_writer SRC DST --bits 4 --group-size 128 [--act-order] [--asym]
+        [--lm-head]
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class GptqOptions:
     checkpoint_format: str = "gptq"  # "gptq": zeros stored minus one; "gptq_v2": as they are
     shards: int = 1
     zero_bias: bool = True
+    lm_head: bool = False  # quantize the LM head too (untying a tied one)
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -128,6 +133,7 @@ def quantize_config(o: GptqOptions) -> dict[str, object]:
         "static_groups": False,
         "true_sequential": True,
         "checkpoint_format": o.checkpoint_format,
+        "lm_head": o.lm_head,
     }
 
 
@@ -152,6 +158,11 @@ def write_gptq(src: Path, dst: Path, o: GptqOptions) -> Path:
                 if o.zero_bias and f"{n}.bias" not in state:
                     out[f"{n}.bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
                 quantized.add(f"{n}.weight")
+    if o.lm_head:
+        head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+        order = column_order([head], o.act_order)
+        out |= {f"lm_head.{field}": t for field, t in quantize_layer(head, order, o).items()}
+        quantized.add("lm_head.weight")
     out |= {n: t.contiguous() for n, t in state.items() if n not in quantized}
     _save(out, dst, o.shards)
     weights = (".safetensors", ".bin", ".index.json")
@@ -160,6 +171,8 @@ def write_gptq(src: Path, dst: Path, o: GptqOptions) -> Path:
             shutil.copy(f, dst / f.name)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quantize_config(o)
+    if o.lm_head:
+        config["tie_word_embeddings"] = False
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     (dst / "quantize_config.json").write_text(json.dumps(quantize_config(o), indent=2))
     return dst
@@ -191,8 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--act-order", action="store_true")
     p.add_argument("--format", choices=("gptq", "gptq_v2"), default="gptq")
     p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--lm-head", action="store_true", help="quantize the LM head too")
     a = p.parse_args(argv)
-    options = GptqOptions(a.bits, a.group_size, not a.asym, a.act_order, a.format, a.shards)
+    options = GptqOptions(
+        a.bits, a.group_size, not a.asym, a.act_order, a.format, a.shards, lm_head=a.lm_head
+    )
     print(write_gptq(a.src, a.dst, options))
 
 

@@ -3,13 +3,14 @@
 `weight_bytes` counts what the engine keeps for a Llama-family config: the projections of every
 decoder layer as `QuantizedWeight`s (4 bits: half a byte a weight; 8 bits: a byte; plus float32
 scales per group and output row, int8 zero points when asymmetric, an int64 permutation of the
-input columns with act-order) or in the model dtype, and the embeddings, norms and LM head in
-the model dtype (the head tied to the embeddings or not). A quantized layer keeps only its
-kernel's repacked copy: the same bytes, except that the CPU kernels pad the output features to a
-multiple of 16 and the CUDA kernels keep asymmetric zero points as int32. `kv_tokens` applies
-the engine's KV sizing rule (`engine.kv_sizing.num_blocks_from_memory`) to a simulated device:
-the peak of the profile step is the weights plus an activation estimate, and the CUDA context's
-memory outside torch is taken as 0.5 GiB.
+input columns with act-order) or in the model dtype, and the embeddings, norms and LM head in the
+model dtype (the head tied to the embeddings or not), unless the scheme quantizes the head
+(`lm_head`): then the head is counted as a projection and the embedding table on its own. A
+quantized layer keeps only its kernel's repacked copy: the same bytes, except that the CPU kernels
+pad the output features to a multiple of 16 and the CUDA kernels keep asymmetric zero points as
+int32. `kv_tokens` applies the engine's KV sizing rule (`engine.kv_sizing.num_blocks_from_memory`)
+to a simulated device: the peak of the profile step is the weights plus an activation estimate, and
+the CUDA context's memory outside torch is taken as 0.5 GiB.
 
     python -m tools.quant_memory [--model PATH]
 """
@@ -64,7 +65,11 @@ def weight_bytes(config: LlamaConfig, scheme: QuantScheme | None, dtype: torch.d
         + _projection_bytes(h, inter, scheme, item)
         + 2 * h * item
     )
-    tables = (1 if config.tie_word_embeddings else 2) * config.vocab_size * h * item
+    table = config.vocab_size * h * item
+    if scheme is not None and scheme.lm_head:  # the float table and a quantized head
+        tables = table + _projection_bytes(config.vocab_size, h, scheme, item)
+    else:
+        tables = (1 if config.tie_word_embeddings else 2) * table
     return config.num_layers * per_layer + tables + h * item
 
 
@@ -99,6 +104,7 @@ SCHEMES: dict[str, QuantScheme | None] = {
     "gptq 8-bit g128": QuantScheme("gptq", bits=8, group_size=128),
     "gptq 4-bit g128": QuantScheme("gptq", bits=4, group_size=128),
     "gptq 4-bit g32": QuantScheme("gptq", bits=4, group_size=32),
+    "gptq 4-bit g128 + LM head": QuantScheme("gptq", bits=4, group_size=128, lm_head=True),
     "gptq 4-bit g128 asym act-order": QuantScheme(
         "gptq", bits=4, group_size=128, sym=False, desc_act=True
     ),

@@ -37,13 +37,14 @@ from engine.kernels.buffers import DecoderBuffers
 from engine.kernels.cpu import CpuKernels
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
+from engine.layers.quant_linear import QuantLinear
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import LlamaConfig
 from engine.models.decoder import DecoderLayer, DecoderParts
 from engine.models.loader import TensorSink, WeightTarget
 from engine.parallel.shard import Shard, ShardLayout
 from engine.quant.scheme import QuantScheme
-from engine.quant.targets import gptq_targets
+from engine.quant.targets import gptq_targets, undeclared_head
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -55,7 +56,9 @@ class LlamaModel(nn.Module):
     share (ValueError when N cannot split the model, see `engine.parallel.shard`): every rank
     runs `forward` on the same inputs together, and `compute_logits` returns the whole
     vocabulary's logits on rank 0 only. With `quant`, the decoder layers' projections are
-    quantized (`engine.quant`); the embeddings, norms and LM head stay in `dtype`."""
+    quantized (`engine.quant`), and the LM head where `quant.lm_head` says the checkpoint
+    quantized it (each rank holding its vocabulary rows); the embeddings and norms stay in
+    `dtype`."""
 
     def __init__(
         self,
@@ -77,10 +80,15 @@ class LlamaModel(nn.Module):
         self.layout = layout = ShardLayout.of(config, shard.rank, shard.size)
         self.rotary = RotaryEmbedding(config, dtype, device)
         vocab, hidden = layout.vocab_rows, config.hidden_size
-        self.lm_head = Linear(hidden, vocab, dtype=dtype, device=device)
+        self.lm_head: Linear | QuantLinear = Linear(hidden, vocab, dtype=dtype, device=device)
+        if quant is not None and quant.lm_head:  # this rank's real rows: none of the padding
+            real = layout.vocab_end - layout.vocab_start
+            self.lm_head = QuantLinear(hidden, real, scheme=quant, dtype=dtype, device=device)
+        # A tied model's embedding rows are the float head's; a quantized head has its own.
+        self.tied = config.tie_word_embeddings and isinstance(self.lm_head, Linear)
         self.embed_tokens = (
             None
-            if config.tie_word_embeddings
+            if self.tied
             else nn.Parameter(torch.zeros(vocab, hidden, dtype=dtype, device=device), False)
         )
         parts = DecoderParts(
@@ -92,7 +100,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype, device, kernels)
         tied_scale = config.embedding_multiplier * config.logits_scaling
         # What `embed` multiplies the tied table's rows by; None: nothing (untied, or neutral).
-        self.embed_scale = tied_scale if config.tie_word_embeddings and tied_scale != 1 else None
+        self.embed_scale = tied_scale if self.tied and tied_scale != 1 else None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[N] -> [N, hidden], times embedding_multiplier."""
@@ -110,10 +118,12 @@ class LlamaModel(nn.Module):
         embedding_multiplier."""
         if self.embed_tokens is not None:
             return self.embed_tokens[ids]
-        if self.kernels is not None and self.lm_head.transposed:
-            rows = self.kernels.gather_columns(self.lm_head.storage, ids)
+        head = self.lm_head
+        assert isinstance(head, Linear)  # tied: the head is the float table
+        if self.kernels is not None and head.transposed:
+            rows = self.kernels.gather_columns(head.storage, ids)
         else:
-            rows = self.lm_head.embedding_rows(ids)
+            rows = head.embedding_rows(ids)
         return rows if self.embed_scale is None else rows.mul_(self.embed_scale)
 
     def scale_input_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
@@ -141,7 +151,11 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, hidden] final-norm states -> [M, vocab] logits (divided by logits_scaling); with
         several ranks, on rank 0 (the others get their [M, vocab_rows] share)."""
-        return self.shard.gather_columns(self.lm_head(hidden), self.config.vocab_size)
+        logits = self.lm_head.forward(hidden)
+        pad = self.layout.vocab_rows - logits.shape[1]  # a quantized head holds no pad rows
+        if pad:
+            logits = torch.nn.functional.pad(logits, (0, pad))
+        return self.shard.gather_columns(logits, self.config.vocab_size)
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -192,7 +206,7 @@ class LlamaModel(nn.Module):
         embed, vocab_shape = self.embed_tokens, (cfg.vocab_size, hidden)
         head = rows(self.lm_head, 0, vocab_rows, vocab_shape, logits)
         targets = {"model.norm.weight": whole(self.norm.weight), "model.embed_tokens.weight": head}
-        if embed is not None:
+        if embed is not None:  # untied, or a quantized head (which gptq_targets expands)
             targets["lm_head.weight"] = head
             targets["model.embed_tokens.weight"] = WeightTarget(
                 embed[: vocab_rows[1] - vocab_rows[0]],
@@ -236,4 +250,8 @@ class LlamaModel(nn.Module):
             if o_bias is not None:  # added once: by rank 0, before the sum over ranks
                 o_dest = o_bias if rank == 0 else None
                 targets[p + "self_attn.o_proj.bias"] = WeightTarget(o_dest, 0, (hidden,), residual)
-        return gptq_targets(targets) if self.quant and self.quant.method == "gptq" else targets
+        if not (self.quant and self.quant.method == "gptq"):
+            return targets
+        if not self.quant.lm_head:
+            targets |= undeclared_head(self.quant, cfg.vocab_size, hidden)
+        return gptq_targets(targets)

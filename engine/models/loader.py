@@ -157,7 +157,7 @@ def load_weights(model: Loadable, folder: str | Path) -> None:
             if name.endswith(IGNORED_SUFFIXES):
                 continue
             if name not in targets:
-                if name == "lm_head.weight" and "lm_head.weight" not in targets:
+                if name == "lm_head.weight" and "lm_head.qweight" not in targets:
                     continue  # a tied checkpoint that also stores the head
                 raise CheckpointError(f"{file}: unexpected tensor '{name}'")
             dest, row_offset, shape, scale, source_rows, source_cols, _ = targets[name]

@@ -67,7 +67,8 @@ def read_part(
     ValueError naming the field for values out of range."""
     half = 1 << (bits - 1)
     q = (unpack_rows(qweight.to(torch.int32), bits) - half).t().to(torch.int8).contiguous()
-    z = unpack_columns(qzeros.to(torch.int32), bits) + (1 if zeros_minus_one else 0) - half
+    z = unpack_columns(qzeros.to(torch.int32), bits)[:, : scales.shape[1]]  # a last word's pad
+    z = z + (1 if zeros_minus_one else 0) - half
     if int(z.min()) < -128 or int(z.max()) > 127:
         raise ValueError(
             f"qzeros: a zero point of {int(z.max()) + half} does not fit {bits} bits "

@@ -32,7 +32,9 @@ class QuantScheme:
     """How the decoder layers' linear weights are stored. `method` "int8": a float checkpoint
     quantized at load (8 bits, one scale per output row, symmetric). `method` "gptq": the
     checkpoint's own integers (`bits`, `group_size` input columns per scale, -1: one group;
-    `sym`: no zero points declared; `desc_act`: act-order, g_idx permutes the groups)."""
+    `sym`: no zero points declared; `desc_act`: act-order, g_idx permutes the groups;
+    `lm_head`: the LM head is quantized too, with the same settings, and the embedding table is
+    the checkpoint's float `model.embed_tokens.weight` even where the config ties them)."""
 
     method: str
     bits: int = 8
@@ -40,6 +42,7 @@ class QuantScheme:
     sym: bool = True
     desc_act: bool = False
     checkpoint_format: str = "gptq"
+    lm_head: bool = False
     source: str = ""  # the file the scheme was read from (for messages)
 
     @property
@@ -53,7 +56,8 @@ class QuantScheme:
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
         zeros = "sym" if self.sym else "asym"
         order = ", act-order" if self.desc_act else ""
-        return f"gptq {self.bits}-bit {group} {zeros}{order} ({self.checkpoint_format})"
+        head = ", LM head quantized" if self.lm_head else ""
+        return f"gptq {self.bits}-bit {group} {zeros}{order}{head} ({self.checkpoint_format})"
 
 
 def _declared(folder: Path) -> tuple[Path, dict[str, Any]] | None:
@@ -80,7 +84,7 @@ def _declared(folder: Path) -> tuple[Path, dict[str, Any]] | None:
         return None
     if len(found) == 2:
         (f1, a), (f2, b) = found
-        for key in ("bits", "group_size", "desc_act", "sym", "checkpoint_format"):
+        for key in ("bits", "group_size", "desc_act", "sym", "checkpoint_format", "lm_head"):
             if key in a and key in b and a[key] != b[key]:
                 raise CheckpointError(
                     f"{f1} and {f2} disagree on '{key}' ({a[key]!r} against {b[key]!r})"
@@ -126,11 +130,6 @@ def checkpoint_scheme(folder: Path) -> QuantScheme | None:
             f"{source}: checkpoint_format '{fmt}' is not supported "
             f"(supported: {', '.join(CHECKPOINT_FORMATS)})"
         )
-    if qc.get("lm_head"):
-        raise CheckpointError(
-            f"{source}: lm_head true (a quantized LM head) is not supported; quantize the "
-            "decoder layers only"
-        )
     return QuantScheme(
         method="gptq",
         bits=bits,
@@ -138,6 +137,7 @@ def checkpoint_scheme(folder: Path) -> QuantScheme | None:
         sym=_field(source, qc, "sym", bool, True),
         desc_act=_field(source, qc, "desc_act", bool, False),
         checkpoint_format=fmt,
+        lm_head=_field(source, qc, "lm_head", bool, False),
         source=str(source),
     )
 

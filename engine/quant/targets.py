@@ -21,6 +21,7 @@ import torch
 
 from engine.layers.quant_linear import GptqSink, QuantLinear
 from engine.models.loader import WeightTarget
+from engine.quant.scheme import QuantScheme
 
 
 class ZeroBias:
@@ -31,13 +32,40 @@ class ZeroBias:
             raise ValueError("a non-zero bias where the model has none")
 
 
-def _word_range(span: tuple[int, int], pack: int, what: str) -> tuple[int, int]:
-    if span[0] % pack or span[1] % pack:
+class Undeclared:
+    """Checkpoint tensors the quantization config does not declare: refused, saying why."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def load_rows(self, row_offset: int, tensor: torch.Tensor) -> None:
+        raise ValueError(self.why)
+
+
+def undeclared_head(scheme: QuantScheme, vocab: int, hidden: int) -> dict[str, WeightTarget]:
+    """Targets that refuse a quantized LM head's tensors (of `scheme`'s shapes) in a checkpoint
+    whose config does not declare `lm_head` true."""
+    pack = 32 // scheme.bits
+    groups = 1 if scheme.group_size == -1 else math.ceil(hidden / scheme.group_size)
+    sink = Undeclared(f"a quantized LM head, but {scheme.source} does not declare 'lm_head' true")
+    shapes = {
+        "qweight": (hidden // pack, vocab),
+        "qzeros": (groups, math.ceil(vocab / pack)),
+        "scales": (groups, vocab),
+        "g_idx": (hidden,),
+    }
+    return {f"lm_head.{f}": WeightTarget(sink, 0, s, optional=True) for f, s in shapes.items()}
+
+
+def _word_range(span: tuple[int, int], pack: int, what: str, total: int) -> tuple[int, int]:
+    """The packed words holding values [start, end) of `total`; the last word of the tensor
+    may be partly filled (a vocabulary that is no multiple of `pack`)."""
+    if span[0] % pack or (span[1] % pack and span[1] != total):
         raise ValueError(
             f"{what} [{span[0]}, {span[1]}) of this rank do not start and end on a packed "
             f"word of {pack} values: the GPTQ layer cannot be split over these ranks"
         )
-    return span[0] // pack, span[1] // pack
+    return span[0] // pack, math.ceil(span[1] / pack)
 
 
 def gptq_targets(targets: dict[str, WeightTarget]) -> dict[str, WeightTarget]:
@@ -62,7 +90,11 @@ def gptq_targets(targets: dict[str, WeightTarget]) -> dict[str, WeightTarget]:
         try:
             if target.source_cols is None:  # the whole input; these output rows
                 rows = target.source_rows
-                words = None if rows is None else _word_range(rows, pack, f"{base} output rows")
+                words = (
+                    None
+                    if rows is None
+                    else _word_range(rows, pack, f"{base} output rows", out_total)
+                )
                 result |= {
                     f"{base}.qweight": WeightTarget(
                         sink("qweight"), 0, (in_total // pack, out_total), source_cols=rows
@@ -77,7 +109,7 @@ def gptq_targets(targets: dict[str, WeightTarget]) -> dict[str, WeightTarget]:
                 }
             else:  # row-parallel: these input columns; every output row
                 cols = target.source_cols
-                words = _word_range(cols, pack, f"{base} input columns")
+                words = _word_range(cols, pack, f"{base} input columns", in_total)
                 result |= {
                     f"{base}.qweight": WeightTarget(
                         sink("qweight"), 0, (in_total // pack, out_total), source_rows=words

@@ -2,7 +2,8 @@
 output rows, row-parallel ones (o_proj, down_proj) by input columns with each rank's GPTQ
 groups and scales. The oracle is transformers on the dequantized weights whose row-parallel
 inputs are fake-quantized per rank's half (each rank quantizes its own slice of the rows),
-compared as in test_quant_exactness.py. An act-order checkpoint whose groups scatter over the
+compared as in test_quant_exactness.py. A quantized LM head splits by vocabulary rows, each
+rank holding every group of its rows. An act-order checkpoint whose groups scatter over the
 ranks is refused."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ FORMATS: dict[str, GptqOptions | None] = {
     "int8": None,
     "gptq-4bit-g16-asym": GptqOptions(bits=4, group_size=16, sym=False),
     "gptq-8bit-perchannel-sym-v2": GptqOptions(bits=8, group_size=-1, checkpoint_format="gptq_v2"),
+    "gptq-4bit-g16-asym-lm-head": GptqOptions(bits=4, group_size=16, sym=False, lm_head=True),
 }
 
 
@@ -44,6 +46,11 @@ def test_two_ranks_equal_transformers(fmt: str, tmp_path: Path) -> None:
         o_proj = llm.runner.model.layers[0].self_attn.o_proj
         assert isinstance(o_proj, QuantLinear)
         assert o_proj.unpack_weight().in_features == llm.runner.config.hidden_size // 2
+        if options is not None and options.lm_head:  # split by vocabulary rows, groups whole
+            head = llm.runner.model.lm_head
+            assert isinstance(head, QuantLinear)
+            assert head.unpack_weight().out_features == llm.runner.config.vocab_size // 2
+            assert head.unpack_weight().in_features == llm.runner.config.hidden_size
         outputs = llm.generate(prompts, MAX_NEW_TOKENS, return_logits=True)
     for prompt, out in zip(prompts, outputs, strict=True):
         compare_a8(out, oracle_greedy(oracle, prompt, MAX_NEW_TOKENS))
