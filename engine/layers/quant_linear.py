@@ -89,10 +89,10 @@ class QuantLinear(nn.Module):
         with torch.no_grad():
             for start in range(0, rows, 1024):  # bounds the float32 temporaries
                 chunk = weight[start : start + 1024].to(torch.float32)
-                q, s = quantize_rows(chunk)
+                q, s = quantize_rows(chunk, self.in_features)
                 at = row_offset + start
                 self.weight.qweight[at : at + chunk.shape[0]].copy_(q)
-                self.weight.scales[at : at + chunk.shape[0], 0].copy_(s)
+                self.weight.scales[at : at + chunk.shape[0]].copy_(s)
         self._kernel = None
 
     def expect_part(self, row_offset: int) -> None:
