@@ -79,7 +79,10 @@ def llama_perplexity(
             path = Path(tmp) / f"{name}.json"
             path.write_text(json.dumps(seqs))
             out = child(python, "nll", str(gguf), str(path), str(threads))
-            sums.append((float(out["nll"]), int(out["tokens"])))  # type: ignore[call-overload]
+            nll, tokens = out["nll"], out["tokens"]
+            if not isinstance(nll, float | int) or not isinstance(tokens, int):
+                raise SystemExit(f"llamacpp_child nll: unexpected result {out}")
+            sums.append((float(nll), tokens))
     total, count = sums[0][0] - sums[1][0], sums[0][1] - sums[1][1]
     return math.exp(total / count), count
 
