@@ -93,8 +93,12 @@ _Pragma("GCC unroll 16") \
 _Pragma("GCC unroll 8") \
         for (int j = 0; j < NB; j++) facc[i][j] = _mm512_setzero_ps(); \
     } \
-    for (int64_t b = 0; b < blocks; b++) { \
-        const int64_t g = b / wr; \
+    for (int64_t b = 0, g = 0, in_group = 0; b < blocks; b++) { \
+        if (in_group == wr) { /* the weight group of block b: b / wr, without a division */ \
+            g++; \
+            in_group = 0; \
+        } \
+        in_group++; \
         __m512i acc[MR][NB]; \
 _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
