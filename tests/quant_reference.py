@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine.models.loader import checkpoint_files
-from engine.quant.reference import quantize_rows
+from engine.quant.reference import activation_group, dequantize_rows
 from tests.reference import Reference, model_greedy
 
 PROJECTIONS = (
@@ -86,25 +86,57 @@ def _is_projection(name: str) -> bool:
     return name.endswith(".weight") and any(f".{p}." in name for p in PROJECTIONS)
 
 
-def fake_quant_rows(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
-    """A forward pre-hook: the input's rows quantized to int8 per row and back (the order of
-    the columns does not change a row's quantization, so act-order needs no permutation)."""
-    (x,) = args
-    rows = x.reshape(-1, x.shape[-1])
-    xq, sx = quantize_rows(rows)
-    return ((xq.to(torch.float32) * sx[:, None]).reshape(x.shape),)
+def fake_quant(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] with each row quantized to int8 and back as the int8 kernels see it: its
+    columns taken in `order` (the weight's stored order; None: as they are), then `quantize_rows`
+    in groups of `activation_group(K)`, and put back in place."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    group = activation_group(rows.shape[1])
+    if order is None:
+        return dequantize_rows(rows, group).reshape(x.shape)
+    out = torch.empty_like(rows)
+    out[:, order] = dequantize_rows(rows[:, order], group)
+    return out.reshape(x.shape)
 
 
-def fake_quant_slices(n: int) -> Callable[..., tuple[torch.Tensor]]:
-    """A forward pre-hook quantizing each of `n` equal column slices of the input rows on its
-    own: what `n` tensor-parallel ranks of a row-parallel layer each do with their slice."""
+def fake_quant_hook(
+    orders: list[torch.Tensor | None],
+) -> Callable[..., tuple[torch.Tensor]]:
+    """A forward pre-hook: the input's columns cut into ``len(orders)`` equal slices (what as
+    many tensor-parallel ranks of a row-parallel layer each hold; one slice otherwise), each
+    fake-quantized on its own (`fake_quant`) in its order."""
 
     def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
         (x,) = args
-        parts = [fake_quant_rows(module, (c,))[0] for c in x.chunk(n, dim=-1)]
-        return (torch.cat(parts, dim=-1),)
+        parts = x.chunk(len(orders), dim=-1)
+        return (torch.cat([fake_quant(c, o) for c, o in zip(parts, orders, strict=True)], -1),)
 
     return hook
+
+
+def stored_order(g_idx: torch.Tensor) -> torch.Tensor | None:
+    """The input columns sorted by their GPTQ group (stable), as a grouped kernel stores them;
+    None when already sorted."""
+    if bool((g_idx[1:] >= g_idx[:-1]).all()):
+        return None
+    return torch.from_numpy(np.argsort(g_idx.numpy(), kind="stable"))
+
+
+def column_orders(folder: Path, method: str, num_shards: int = 1) -> dict[str, list]:
+    """Each projection's stored column order per tensor-parallel slice (row-parallel layers cut
+    into `num_shards` slices of their input, each ordered within itself), by module name."""
+    if method == "int8":
+        return {}
+    tensors = read_tensors(folder)
+    out: dict[str, list] = {}
+    for name in tensors:
+        if not name.endswith(".g_idx"):
+            continue
+        base = name.removesuffix(".g_idx")
+        g = tensors[name].to(torch.int64)
+        shards = num_shards if base.endswith(ROW_PARALLEL) else 1
+        out[base] = [stored_order(part) for part in g.chunk(shards)]
+    return out
 
 
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
@@ -115,11 +147,14 @@ def oracle_model(
     weights: dict[str, torch.Tensor],
     int8_activations: bool = True,
     num_shards: int = 1,
+    orders: dict[str, list] | None = None,
 ) -> PreTrainedModel:
     """transformers float32 with `weights` in place and, with `int8_activations`, every
-    projection's input fake-quantized (`fake_quant_rows`; the row-parallel ones per shard's
-    slice with `num_shards` > 1). A quantized LM head (`lm_head.weight` in `weights`) is untied
-    from the float embedding table and its input fake-quantized too."""
+    projection's input fake-quantized (`fake_quant_hook`: in the stored column order `orders`
+    gives, by module name (`column_orders`; absent: as they are), the row-parallel ones per
+    shard's slice with `num_shards` > 1). A quantized LM head (`lm_head.weight` in `weights`) is
+    untied from the float embedding table and its input fake-quantized too."""
+    orders = orders or {}
     model = AutoModelForCausalLM.from_pretrained(str(float_folder), dtype=torch.float32).eval()
     head = model.get_output_embeddings()
     if "lm_head.weight" in weights and head.weight is model.get_input_embeddings().weight:
@@ -131,10 +166,11 @@ def oracle_model(
             params[name].copy_(w)
     if int8_activations:
         for name, module in model.named_modules():
-            if num_shards > 1 and name.endswith(ROW_PARALLEL):
-                module.register_forward_pre_hook(fake_quant_slices(num_shards))
-            elif name.endswith(PROJECTIONS) or (name == "lm_head" and "lm_head.weight" in weights):
-                module.register_forward_pre_hook(fake_quant_rows)
+            quantized_head = name == "lm_head" and "lm_head.weight" in weights
+            if not (name.endswith(PROJECTIONS) or quantized_head):
+                continue
+            shards = num_shards if name.endswith(ROW_PARALLEL) else 1
+            module.register_forward_pre_hook(fake_quant_hook(orders.get(name, [None] * shards)))
     return model
 
 

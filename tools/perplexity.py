@@ -8,15 +8,20 @@ everything before it): exp(-mean log p). The answers are the float32 model's own
 favours float32 a little; every format reads the same tokens.
 
 GPTQ checkpoints are written by tools/gptq_writer.py (round to nearest, asymmetric, act-order)
-under `--workdir`.
+under `--workdir`. `--llama-gguf` adds llama.cpp's perplexity of GGUF files of the same model on
+the same tokens, through bench/llamacpp_child.py's `nll` mode in `--llama-python` (an
+environment with llama-cpp-python, bench/bench_llamacpp.py).
 
     python -m tools.perplexity [--model PATH] [--formats float32,int8,gptq-4-128,gptq-4-32]
+        [--llama-gguf FILE.gguf ... --llama-python PYTHON]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,6 +64,29 @@ def perplexity(llm: LLM, texts: list[tuple[list[int], int]]) -> tuple[float, int
     return math.exp(total / count), count
 
 
+def llama_perplexity(
+    python: str, gguf: Path, texts: list[tuple[list[int], int]], threads: int
+) -> tuple[float, int]:
+    """`perplexity` of llama.cpp running `gguf`: the child sums the log-probabilities of every
+    token after the first, so the answers' share is the whole texts' minus their prompts'
+    (causal: a prompt's tokens do not see the answer)."""
+    from bench.bench_llamacpp import child
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sums = []
+        for name, seqs in (("full", [ids for ids, _ in texts]),
+                           ("prompts", [ids[:start] for ids, start in texts])):  # fmt: skip
+            path = Path(tmp) / f"{name}.json"
+            path.write_text(json.dumps(seqs))
+            out = child(python, "nll", str(gguf), str(path), str(threads))
+            nll, tokens = out["nll"], out["tokens"]
+            if not isinstance(nll, float | int) or not isinstance(tokens, int):
+                raise SystemExit(f"llamacpp_child nll: unexpected result {out}")
+            sums.append((float(nll), tokens))
+    total, count = sums[0][0] - sums[1][0], sums[0][1] - sums[1][1]
+    return math.exp(total / count), count
+
+
 def checkpoint(model: Path, fmt: str, workdir: Path) -> tuple[Path, str | None]:
     """(folder, QUANTIZE) for `fmt`: float32, int8 or gptq-<bits>-<group size>."""
     if fmt in ("float32", "int8"):
@@ -84,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
         help="float activations (CUDA's GPTQ product) instead of CPU's int8 ones, to separate "
         "the weights' share of the loss",
     )
+    p.add_argument("--llama-gguf", type=Path, nargs="*", default=[], help="GGUF files to add")
+    p.add_argument("--llama-python", default="python", help="a Python with llama-cpp-python")
+    p.add_argument("--llama-threads", type=int, default=2)
     a = p.parse_args(argv)
     if a.weight_only:
         engine.quant.kernels.int8_activations = lambda device, method: False
@@ -98,6 +129,15 @@ def main(argv: list[str] | None = None) -> None:
         base = ppl if base is None else base
         print(
             f"| {fmt} | {ppl:.3f} | {100 * (ppl / base - 1):+.2f}% | {count} | "
+            f"{time.perf_counter() - start:.0f} |",
+            flush=True,
+        )
+    for gguf in a.llama_gguf:
+        start = time.perf_counter()
+        ppl, count = llama_perplexity(a.llama_python, gguf, texts, a.llama_threads)
+        vs = "" if base is None else f"{100 * (ppl / base - 1):+.2f}%"
+        print(
+            f"| llama.cpp {gguf.name} | {ppl:.3f} | {vs} | {count} | "
             f"{time.perf_counter() - start:.0f} |",
             flush=True,
         )

@@ -1,9 +1,10 @@
 """CPU products of float32 rows with a `QuantizedWeight`, through int8 activations.
 
 `build_quant_kernel(weight, bias)` repacks a weight once into the layout of the rows family's
-quantized tiles (`rows_quant.c`, `rows_qg.h`; per-channel symmetric int8 through `rows_q8.h`)
-and returns ``x [M, in] -> y [M, out]``: each row of x quantised to int8 (`quantize_rows`),
-the integer products of each group summed exactly, the groups scaled and added in float32:
+quantized tiles (`rows_quant.c`, `rows_qg.h`; per-channel int8 is one group as wide as the row)
+and returns ``x [M, in] -> y [M, out]``: each row of x quantised to int8 in activation groups
+(`quantize_rows`, `activation_group`), the integer products of each block summed exactly, the
+blocks scaled and added in float32:
 `engine.quant.reference.reference_linear(x, weight, bias, int8_activations=True)` to float32
 rounding. One path serves every M: a pass over the weights takes up to 16 rows (AVX-512 VNNI),
 more rows run in passes that read the weights from cache, which outran dequantising the weight
@@ -21,6 +22,7 @@ dequantised at each call (slow: a fallback, not a path to serve from).
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,7 +31,7 @@ import torch
 
 from engine.kernels.cpu import bind
 from engine.kernels.rows import RowsGemm, load_rows_gemm
-from engine.quant.reference import quantize_rows
+from engine.quant.reference import activation_group, dequantize_rows
 from engine.quant.weights import QuantizedWeight, pack_int4
 
 PANEL = 16
@@ -37,7 +39,7 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 # name -> (argument types, result type), in rows_gemm.c's library (rows_quant.c)
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
-    "rows_gemm_qg": ([_P, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I], ctypes.c_int),
+    "rows_gemm_qg": ([_P, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _I, _I], ctypes.c_int),
     "rows_gemm_qg_isa": ([], ctypes.c_char_p),
 }
 
@@ -45,13 +47,20 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
 def check_supported(weight: QuantizedWeight) -> None:
     """ValueError naming the reason where the kernels cannot take `weight`: a group must be a
     multiple of 4 input columns (8 bits) or 8 (4 bits), and at most 65,536 (its integer sums
-    must fit int32)."""
+    must fit int32), and so must its blocks with the activation groups (gcd of the two)."""
     step = 4 if weight.bits == 8 else 8
-    if weight.group_size % step or weight.group_size > 65536:
+    gs = weight.group_size
+    if gs % step or gs > 65536:
         raise ValueError(
             f"quantized CPU kernel: a {weight.bits}-bit weight needs group_size a multiple of "
-            f"{step} and at most 65536, got {weight.group_size} "
-            f"([{weight.out_features}, {weight.in_features}])"
+            f"{step} and at most 65536, got {gs} ([{weight.out_features}, {weight.in_features}])"
+        )
+    ags = activation_group(weight.in_features)
+    if math.gcd(ags, gs) % step:
+        raise ValueError(
+            f"quantized CPU kernel: a {weight.bits}-bit weight needs activation groups ({ags} "
+            f"of its {weight.in_features} input columns) whose blocks with its group_size {gs} "
+            f"are a multiple of {step} columns"
         )
 
 
@@ -132,12 +141,12 @@ def _torch_product(
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         xs = x if weight.perm is None else x[:, weight.perm]
-        xq, sx = quantize_rows(xs)
+        xd = dequantize_rows(xs, activation_group(weight.in_features))
         w = weight.int_values().to(torch.float32)  # the stored (perm) column order
         if weight.zeros is not None:
             w = w - weight.zeros.to(torch.float32).repeat_interleave(weight.group_size, dim=1)
         w = w * weight.scales.repeat_interleave(weight.group_size, dim=1)
-        y = (xq.to(torch.float32) @ w.T) * sx[:, None]
+        y = xd @ w.T
         return y if bias is None else y + bias
 
     return forward
@@ -194,8 +203,7 @@ def _rows_product(
     rows.set_threads(torch.get_num_threads())  # process-wide, as the float rows kernel does
     padded_bias = None if bias32 is None else rows.pad_bias(bias32)
     n, k = pq.out_features, pq.in_features
-    if pq.bits == 8 and pq.group_size == k and pq.zeros is None and pq.perm is None:
-        return _q8_product(rows, pq, padded_bias)  # W8A8 per channel: rows_q8.h's tiles
+    ags = activation_group(k)
     bind(rows.lib, _SIGNATURES)
     run = rows.lib.rows_gemm_qg
     ptrs = (
@@ -214,25 +222,11 @@ def _rows_product(
         if x.stride(-1) != 1:
             x = x.contiguous()
         y = torch.empty((x.shape[0], n), dtype=torch.float32)
-        rc = run(x.data_ptr(), x.stride(0), perm_ptr, *ptrs, pq.bits, pq.group_size, bias_ptr,
+        rc = run(x.data_ptr(), x.stride(0), perm_ptr, *ptrs, pq.bits, pq.group_size, ags, bias_ptr,
                  y.data_ptr(), x.shape[0], k, n)  # fmt: skip
         if rc != 0:
             raise ValueError(f"rows_gemm_qg refused the weight ({keep[0].bits} bits)")
         return y
-
-    return forward
-
-
-def _q8_product(
-    rows: RowsGemm, pq: PackedQuant, padded_bias: torch.Tensor | None
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Per-channel symmetric int8 through `rows_gemm_q8`, whose layout is the 8-bit one with a
-    single group (its scales [P * 16])."""
-    scales = pq.scales.reshape(-1)
-    n = pq.out_features
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return rows.matmul_q8(x, pq.packed, scales, n, padded_bias)
 
     return forward
 

@@ -8,8 +8,9 @@ engine/kernels/quant_triton_kernels.py, and the launches of one product.
 - weight-only (GPTQ: W4A16, W8A16): x's columns are gathered through the weight's `perm` once
   (``index_select``), then one launch dequantizes the integers in registers and sums with
   ``tl.dot`` in x's dtype with fp32 accumulation;
-- int8 activations (W8A8, W4A8): one launch quantizes x's rows (gathering through `perm`), one
-  multiplies with int8 ``tl.dot`` and int32 accumulation.
+- int8 activations (W8A8, W4A8): one launch quantizes x's rows in activation groups
+  (`engine.quant.reference.activation_group`; gathering through `perm`), one multiplies with
+  int8 ``tl.dot`` and int32 accumulation, K blocks inside one activation group.
 
 Layout: the integers are repacked K-major, int32 words [in / PACK, out] holding PACK = 32 / bits
 consecutive input columns (GPTQ's own qweight layout, with signed values), so that the BLOCK_N
@@ -29,6 +30,7 @@ how the tests check them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from engine.kernels.quant_triton_kernels import (
     quantize_rows_kernel,
     reduce_splits_kernel,
 )
+from engine.quant.reference import activation_group
 from engine.quant.weights import QuantizedWeight, pack_int4
 
 ROW_TIERS = (16, 32, 64)
@@ -113,12 +116,18 @@ def choose_tiles(m: int, n: int, k: int, group_size: int, num_sms: int) -> Tiles
 
 def unsupported_reason(weight: QuantizedWeight, int8_activations: bool) -> str | None:
     """Why the Triton kernels cannot serve `weight`, or None: ``tl.dot`` sums at least 16 input
-    columns (32 of int8) a block, and a block must not straddle two groups."""
+    columns (32 of int8) a block, and a block must not straddle two groups (weight groups, and
+    activation groups with int8 activations)."""
     least = 32 if int8_activations else 16
     if weight.group_size % least:
         return (
             f"group size {weight.group_size} is not a multiple of {least} "
             f"(the Triton {'W8A8' if int8_activations else 'weight-only'} kernel's K block)"
+        )
+    if int8_activations and activation_group(weight.in_features) % least:
+        return (
+            f"in_features {weight.in_features} is not a multiple of {least} (the activation "
+            "groups of the Triton W8A8 kernel's K block)"
         )
     return None
 
@@ -162,6 +171,11 @@ class TritonQuantLinear:
         self.bits, self.group_size = weight.bits, weight.group_size
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.int8_activations, self.dtype, self.device = int8_activations, dtype, device
+        self.act_group = activation_group(self.in_features)
+        # a K block lies inside one weight group and, with int8 activations, one activation group
+        self.block_group = self.group_size
+        if int8_activations:
+            self.block_group = math.gcd(self.group_size, self.act_group)
         self.words = pack_k_major(weight)  # int32 [in / PACK, out]
         self.scales = weight.scales.T.contiguous()  # fp32 [groups, out]
         self.zeros = None if weight.zeros is None else weight.zeros.T.to(torch.int32).contiguous()
@@ -199,7 +213,7 @@ class TritonQuantLinear:
         )
 
     def tiles(self, m: int) -> Tiles:
-        return choose_tiles(m, self.out_features, self.in_features, self.group_size, self.num_sms)
+        return choose_tiles(m, self.out_features, self.in_features, self.block_group, self.num_sms)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] in the build's dtype, on the weight's device -> y [M, out] in that dtype."""
@@ -214,7 +228,7 @@ class TritonQuantLinear:
             return out
         x_scale = out  # unused by the weight-only kernel
         if self.int8_activations:
-            x, x_scale = quantize_activations(x, self.perm)
+            x, x_scale = quantize_activations(x, self.perm, self.act_group)
         else:
             if self.perm is not None:
                 x = x.index_select(1, self.perm)  # a whole new tensor
@@ -238,6 +252,7 @@ class TritonQuantLinear:
                 k,
                 BITS=self.bits,
                 GROUP=self.group_size,
+                AGROUP=self.act_group,
                 BLOCK_M=t.block_m,
                 BLOCK_N=t.block_n,
                 BLOCK_K=t.block_k,
@@ -298,16 +313,20 @@ def build_quant_kernel_cuda(
 
 
 def quantize_activations(
-    x: torch.Tensor, perm: torch.Tensor | None = None
+    x: torch.Tensor, perm: torch.Tensor | None = None, group_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype, last stride 1 or copied so) -> (xq int8 [M, K] with its
-    columns gathered through `perm`, fp32 [M] row scales): `quantize_rows`'s rule to the bit,
-    one program a row."""
+    columns gathered through `perm`, fp32 [M, K / group_size] scales): `quantize_rows`'s rule
+    to the bit, one program a row. `group_size`: a power of two dividing K (None:
+    `activation_group(K)`)."""
     m, k = x.shape
+    group = activation_group(k) if group_size is None else group_size
+    if group & (group - 1) or k % group:
+        raise ValueError(f"quantize_activations: group {group} is no power of two dividing {k}")
     if x.stride(1) != 1:
         x = x.contiguous()
     xq = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    x_scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    x_scale = torch.empty((m, k // group), dtype=torch.float32, device=x.device)
     if m == 0:
         return xq, x_scale
     with _on(x.device):
@@ -319,7 +338,8 @@ def quantize_activations(
             x.stride(0),
             k,
             HAS_PERM=perm is not None,
-            BLOCK=min(QUANTIZE_BLOCK, triton.next_power_of_2(k)),
+            AGROUP=group,
+            BLOCK=max(group, min(QUANTIZE_BLOCK, triton.next_power_of_2(k))),
         )
     return xq, x_scale
 

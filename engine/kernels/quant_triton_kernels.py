@@ -10,10 +10,11 @@ the K blocks (BLOCK_K divides GROUP, so one block has one scale row):
 - weight-only (W4A16, W8A16): the block's integers, minus the zeros, become the dot's operand
   type (exact: |q - z| <= 255 fits fp16's and bf16's significands) and ``tl.dot`` sums them
   against x with fp32 accumulation; the block's product is scaled per output column.
-- int8 activations (W8A8, W4A8): x arrives quantized per row (`quantize_rows_kernel`); the
-  block's ``tl.dot`` of int8 operands sums exactly in int32, the zeros are applied through the
-  rows' block sums (q - z may leave int8's range), the exact block sum is scaled in fp32, and
-  the tile is scaled by the rows' scales at the end.
+- int8 activations (W8A8, W4A8): x arrives quantized per row and activation group of AGROUP
+  columns (`quantize_rows_kernel`; BLOCK_K divides AGROUP too); the block's ``tl.dot`` of int8
+  operands sums exactly in int32, the zeros are applied through the rows' block sums (q - z may
+  leave int8's range), and the exact block sum is scaled in fp32 by the weight's scales and the
+  rows' scales of that activation group.
 
 With SPLIT_K > 1 the K blocks are shared by SPLIT_K programs per tile, each writing an fp32
 partial to a workspace [SPLIT_K, M, N] that `reduce_splits_kernel` sums in a fixed order
@@ -35,7 +36,7 @@ import triton.language as tl
 def quant_linear_kernel(  # type: ignore[no-untyped-def]
     out_ptr,  # [M, N] in the output dtype, or (SPLIT_K > 1) the fp32 workspace [SPLIT_K, M, N]
     x_ptr,  # [M, K] row-major: the activations (int8 with INT8_ACT), columns in perm order
-    x_scale_ptr,  # INT8_ACT: fp32 [M], the rows' scales; unused otherwise
+    x_scale_ptr,  # INT8_ACT: fp32 [M, K // AGROUP], the rows' group scales; unused otherwise
     w_ptr,  # int32 [K // PACK, N]
     scales_ptr,  # fp32 [K // GROUP, N]
     zeros_ptr,  # HAS_ZEROS: int32 [K // GROUP, N]
@@ -45,6 +46,7 @@ def quant_linear_kernel(  # type: ignore[no-untyped-def]
     K,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    AGROUP: tl.constexpr,  # INT8_ACT: columns per activation group
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -89,15 +91,16 @@ def quant_linear_kernel(  # type: ignore[no-untyped-def]
             if HAS_ZEROS:
                 zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0)
                 part -= tl.sum(x.to(tl.int32), axis=1)[:, None] * zero[None, :]
-            acc += part.to(tl.float32) * scale[None, :]
+            x_scale = tl.load(
+                x_scale_ptr + rows * (K // AGROUP) + k0 // AGROUP, mask=row_ok, other=0.0
+            )
+            acc += part.to(tl.float32) * scale[None, :] * x_scale[:, None]
         else:
             if HAS_ZEROS:
                 zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0)
                 q -= zero[None, :]
             part = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # fp32
             acc += part * scale[None, :]
-    if INT8_ACT:
-        acc *= tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
 
     ok = row_ok[:, None] & col_ok[None, :]
     offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
@@ -135,34 +138,32 @@ def reduce_splits_kernel(  # type: ignore[no-untyped-def]
 @triton.jit(do_not_specialize=["stride_x"], do_not_specialize_on_alignment=["x_ptr"])
 def quantize_rows_kernel(  # type: ignore[no-untyped-def]
     xq_ptr,  # int8 [M, K], row-major
-    x_scale_ptr,  # fp32 [M]
+    x_scale_ptr,  # fp32 [M, K // AGROUP]
     x_ptr,  # [M, K], last stride 1, any row stride and offset
     perm_ptr,  # HAS_PERM: int64 [K], the input column read for each output column
     stride_x,
     K,
     HAS_PERM: tl.constexpr,
+    AGROUP: tl.constexpr,  # columns per group, dividing K and BLOCK
     BLOCK: tl.constexpr,
 ):
-    """One row per program, `engine.quant.reference.quantize_rows`'s rule to the bit: s = max
-    |x| / 127 (fp32, correctly rounded), xq = round-half-to-even(x / s) clamped to +-127 (0 for
-    a row of zeros), after gathering the columns through perm."""
+    """One row per program, `engine.quant.reference.quantize_rows`'s rule to the bit: per group
+    of AGROUP columns s = max |x| / 127 (fp32, correctly rounded), xq = round-half-to-even(x /
+    s) clamped to +-127 (0 for a group of zeros), after gathering the columns through perm."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    n_groups = K // AGROUP
     for k0 in range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         src = tl.load(perm_ptr + k, mask=k < K, other=0) if HAS_PERM else k
         x = tl.load(x_row + src, mask=k < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.max(amax, axis=0), 127.0)
-    safe = tl.where(scale > 0, scale, 1.0)
-    for k0 in range(0, K, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        src = tl.load(perm_ptr + k, mask=k < K, other=0) if HAS_PERM else k
-        x = tl.load(x_row + src, mask=k < K, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x, safe)
+        xg = tl.reshape(x, (BLOCK // AGROUP, AGROUP))
+        scale = tl.math.div_rn(tl.max(tl.abs(xg), axis=1), 127.0)  # [BLOCK // AGROUP]
+        safe = tl.where(scale > 0, scale, 1.0)
+        v = tl.math.div_rn(xg, safe[:, None])
         # Adding and removing 1.5 * 2**23 rounds |v| < 2**22 to an integer, half to even.
         v = (v + 12582912.0) - 12582912.0
         v = tl.minimum(tl.maximum(v, -127.0), 127.0)
-        tl.store(xq_ptr + row * K + k, v.to(tl.int8), mask=k < K)
-    tl.store(x_scale_ptr + row, scale)
+        tl.store(xq_ptr + row * K + k, tl.reshape(v, (BLOCK,)).to(tl.int8), mask=k < K)
+        g = k0 // AGROUP + tl.arange(0, BLOCK // AGROUP)
+        tl.store(x_scale_ptr + row * n_groups + g, scale, mask=g < n_groups)

@@ -1,6 +1,6 @@
 /*
  * The tiles of rows_quant.c: int8 activations times grouped 8- or 4-bit weights, the products of
- * each group summed exactly in int32 and the groups' sums scaled and added in float32.
+ * each block summed exactly in int32 and the blocks' sums scaled and added in float32.
  *
  * Weights (`QuantizedWeight`'s q, zeros and scales, repacked by engine/kernels/quant_rows.py):
  * per output column c and input group g of `gs` columns, W'[c, i] = s[c, g] * (q[c, i] - z[c, g]).
@@ -11,10 +11,12 @@
  * scales float32 [ceil(n / 16)][k / gs][16] and zeros (NULL: all 0) int8 [ceil(n / 16)][k / gs]
  * [16], padding columns 0. gs is a multiple of 4 (8 bits) or 8 (4 bits).
  *
- * Activations: each row quantised to q_x int8 [m][k] with a scale s_x (rows_quant.c), and
- * xsum[i][g] = sum of q_x over group g. A tile sums d = sum_{k in g} u * q_x exactly (|d| <=
- * 255 * 127 * gs), so that d - (QG_OFFSET + z) * xsum = sum_{k in g} (q - z) * q_x, and writes
- * y[i][c] = s_x[i] * sum_g s[c, g] * (that) (+ bias[c]), the groups added in order.
+ * Activations: each row quantised to q_x int8 [m][k] in activation groups, each with its scale
+ * (rows_quant.c). The product runs over blocks of bs columns, each inside one weight group g
+ * (block b: g = b / wr) and one activation group, with xsum[i][b] = sum of q_x over block b and
+ * xscale[i][b] its activation group's scale. A tile sums d = sum_{k in b} u * q_x exactly (|d| <=
+ * 255 * 127 * bs), so that d - (QG_OFFSET + z) * xsum = sum_{k in b} (q - z) * q_x, and writes
+ * y[i][c] = sum_b s[c, g] * xscale[i][b] * (that) (+ bias[c]), the blocks added in order.
  *
  * Three bodies, chosen at compile time: AVX-512 VNNI (vpdpbusd, the activations broadcast from
  * memory), AVX2 (vpmaddwd on bytes widened to 16 bits, a row at a time) and portable C. Their
@@ -29,13 +31,14 @@
 
 #define QG_OFFSET(bits) ((bits) == 8 ? 128 : 8)
 
-/* One tile: MR rows of q_x (row stride ldq; xsum row stride ldg) times NB panels from `w`
- * (panel j at w + j * ps bytes, its scales at scales + j * ss, zeros at zeros + j * ss),
- * written to y[MR][ncols] (row stride ldy). */
-typedef void (*qg_tile_fn)(const int8_t *xq, int64_t ldq, const int32_t *xsum, int64_t ldg,
-                           const float *row_scale, const uint8_t *w, int64_t ps,
-                           const float *scales, const int8_t *zeros, int64_t ss, int64_t gs,
-                           int64_t groups, const float *bias, float *y, int64_t ldy,
+/* One tile: MR rows of q_x (row stride ldq; xsum and xscale row stride ldg) times NB panels
+ * from `w` (panel j at w + j * ps bytes, its scales at scales + j * ss, zeros at zeros + j * ss),
+ * in `blocks` blocks of `bs` columns, `wr` blocks a weight group, written to y[MR][ncols] (row
+ * stride ldy). */
+typedef void (*qg_tile_fn)(const int8_t *xq, int64_t ldq, const int32_t *xsum,
+                           const float *xscale, int64_t ldg, const uint8_t *w, int64_t ps,
+                           const float *scales, const int8_t *zeros, int64_t ss, int64_t bs,
+                           int64_t blocks, int64_t wr, const float *bias, float *y, int64_t ldy,
                            int64_t ncols);
 
 #if defined(ROWS_AVX512) && defined(__AVX512VNNI__)
@@ -50,9 +53,9 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(const int8_t *
     return acc;
 }
 
-/* The k steps of group g into acc[MR][NB] (set to zero first). */
+/* The k steps of block b into acc[MR][NB] (set to zero first). */
 #define QG_GROUP_8(MR, NB) \
-    for (int64_t t = g * gs / 4; t < (g + 1) * gs / 4; t++) { \
+    for (int64_t t = b * bs / 4; t < (b + 1) * bs / 4; t++) { \
         __m512i wv[NB]; \
 _Pragma("GCC unroll 8") \
         for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_si512((const void *)(w + j * ps + t * 64)); \
@@ -64,11 +67,11 @@ _Pragma("GCC unroll 8") \
         } \
     }
 #define QG_GROUP_4(MR, NB) \
-    for (int64_t b = g * gs / 8; b < (g + 1) * gs / 8; b++) { \
+    for (int64_t h = b * bs / 8; h < (b + 1) * bs / 8; h++) { \
         __m512i lo[NB], hi[NB]; \
 _Pragma("GCC unroll 8") \
         for (int j = 0; j < NB; j++) { \
-            const __m512i v = _mm512_loadu_si512((const void *)(w + j * ps + b * 64)); \
+            const __m512i v = _mm512_loadu_si512((const void *)(w + j * ps + h * 64)); \
             lo[j] = _mm512_and_si512(v, nibble); \
             hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble); \
         } \
@@ -76,8 +79,8 @@ _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
 _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
-                acc[i][j] = dpbusd_bcast(xq + i * ldq + 8 * b, lo[j], acc[i][j]); \
-                acc[i][j] = dpbusd_bcast(xq + i * ldq + 8 * b + 4, hi[j], acc[i][j]); \
+                acc[i][j] = dpbusd_bcast(xq + i * ldq + 8 * h, lo[j], acc[i][j]); \
+                acc[i][j] = dpbusd_bcast(xq + i * ldq + 8 * h + 4, hi[j], acc[i][j]); \
             } \
         } \
     }
@@ -90,7 +93,12 @@ _Pragma("GCC unroll 16") \
 _Pragma("GCC unroll 8") \
         for (int j = 0; j < NB; j++) facc[i][j] = _mm512_setzero_ps(); \
     } \
-    for (int64_t g = 0; g < groups; g++) { \
+    for (int64_t b = 0, g = 0, in_group = 0; b < blocks; b++) { \
+        if (in_group == wr) { /* the weight group of block b: b / wr, without a division */ \
+            g++; \
+            in_group = 0; \
+        } \
+        in_group++; \
         __m512i acc[MR][NB]; \
 _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
@@ -111,9 +119,12 @@ _Pragma("GCC unroll 8") \
                                               (const __m128i *)(zeros + j * ss + g * PANEL)))); \
 _Pragma("GCC unroll 16") \
             for (int i = 0; i < MR; i++) { \
-                const __m512i c = _mm512_mullo_epi32(zo, _mm512_set1_epi32(xsum[i * ldg + g])); \
+                const int32_t xs = xsum[i * ldg + b]; \
+                const __m512i c = zeros ? _mm512_mullo_epi32(zo, _mm512_set1_epi32(xs)) \
+                                        : _mm512_set1_epi32(QG_OFFSET(BITS) * xs); \
                 const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], c)); \
-                facc[i][j] = _mm512_fmadd_ps(d, s, facc[i][j]); \
+                const __m512 sb = _mm512_mul_ps(s, _mm512_set1_ps(xscale[i * ldg + b])); \
+                facc[i][j] = _mm512_fmadd_ps(d, sb, facc[i][j]); \
             } \
         } \
     } \
@@ -124,7 +135,7 @@ _Pragma("GCC unroll 8") \
         const __mmask16 mask = panel_mask(left); \
 _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
-            __m512 v = _mm512_mul_ps(facc[i][j], _mm512_set1_ps(row_scale[i])); \
+            __m512 v = facc[i][j]; \
             if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * PANEL)); \
             _mm512_mask_storeu_ps(y + i * ldy + j * PANEL, mask, v); \
         } \
@@ -153,17 +164,17 @@ static const int QG_TILE_NB[QG_MR_MAX + 1] = {0, 1, 1, 1, 1};
 #define QG_MAIN_TABLE(P, B) {0, P##_1_1_##B, P##_2_1_##B, P##_3_1_##B, P##_4_1_##B}
 #define QG_ONE_TABLE(P, B) QG_MAIN_TABLE(P, B)
 
-/* The sums d [PANEL] of one row's group of one panel. */
+/* The sums d [PANEL] of one row's block b (of bs columns) of one panel. */
 #if defined(ROWS_AVX512) || defined(ROWS_AVX2)
 #define QG_ISA "avx2"
 /* Four accumulators of four columns each, lanes (column, k steps 0-1) and (column, k steps
  * 2-3) side by side (vpmaddwd), added pairwise at the end (as rows_q8.h). */
-static inline void qg_group(const int8_t *xq, const uint8_t *w, int64_t g, int64_t gs, int bits,
+static inline void qg_group(const int8_t *xq, const uint8_t *w, int64_t b, int64_t bs, int bits,
                             int32_t *d) {
     __m256i a[4];
     for (int s = 0; s < 4; s++) a[s] = _mm256_setzero_si256();
     const __m128i nibble = _mm_set1_epi8(0x0F);
-    for (int64_t t = g * gs / 4; t < (g + 1) * gs / 4; t++) {
+    for (int64_t t = b * bs / 4; t < (b + 1) * bs / 4; t++) {
         int32_t quad;
         memcpy(&quad, xq + 4 * t, sizeof quad);
         const __m256i xb = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(quad)));
@@ -188,10 +199,10 @@ static inline void qg_group(const int8_t *xq, const uint8_t *w, int64_t g, int64
 }
 #else
 #define QG_ISA "scalar"
-static inline void qg_group(const int8_t *xq, const uint8_t *w, int64_t g, int64_t gs, int bits,
+static inline void qg_group(const int8_t *xq, const uint8_t *w, int64_t b, int64_t bs, int bits,
                             int32_t *d) {
     memset(d, 0, PANEL * sizeof(int32_t));
-    for (int64_t kk = g * gs; kk < (g + 1) * gs; kk++) {
+    for (int64_t kk = b * bs; kk < (b + 1) * bs; kk++) {
         const int32_t xv = xq[kk];
         for (int c = 0; c < PANEL; c++) {
             int32_t u;
@@ -207,27 +218,28 @@ static inline void qg_group(const int8_t *xq, const uint8_t *w, int64_t g, int64
 }
 #endif
 
-/* A row at a time, a panel at a time: each group's exact sums, then scaled into float sums. */
+/* A row at a time, a panel at a time: each block's exact sums, then scaled into float sums. */
 #define QG_TILE_BODY(MR, NB, BITS) \
     for (int j = 0; j < NB; j++) { \
         const int64_t left = ncols - j * PANEL; \
         if (left <= 0) break; \
         for (int i = 0; i < MR; i++) { \
             float facc[PANEL] = {0}; \
-            for (int64_t g = 0; g < groups; g++) { \
+            for (int64_t b = 0; b < blocks; b++) { \
                 int32_t d[PANEL]; \
-                qg_group(xq + i * ldq, w + j * ps, g, gs, BITS, d); \
-                const int32_t xs = xsum[i * ldg + g]; \
-                const float *s = scales + j * ss + g * PANEL; \
-                const int8_t *z = zeros ? zeros + j * ss + g * PANEL : 0; \
+                qg_group(xq + i * ldq, w + j * ps, b, bs, BITS, d); \
+                const int32_t xs = xsum[i * ldg + b]; \
+                const float sx = xscale[i * ldg + b]; \
+                const float *s = scales + j * ss + b / wr * PANEL; \
+                const int8_t *z = zeros ? zeros + j * ss + b / wr * PANEL : 0; \
                 for (int c = 0; c < PANEL; c++) { \
                     const int32_t zo = QG_OFFSET(BITS) + (z ? z[c] : 0); \
-                    facc[c] += (float)(d[c] - zo * xs) * s[c]; \
+                    facc[c] += (float)(d[c] - zo * xs) * (s[c] * sx); \
                 } \
             } \
             const int64_t cols = left < PANEL ? left : PANEL; \
             for (int64_t c = 0; c < cols; c++) { \
-                const float v = facc[c] * row_scale[i]; \
+                const float v = facc[c]; \
                 y[i * ldy + j * PANEL + c] = bias ? v + bias[j * PANEL + c] : v; \
             } \
         } \
@@ -236,9 +248,10 @@ static inline void qg_group(const int8_t *xq, const uint8_t *w, int64_t g, int64
 
 #define QG_TILE(MR_, NB_, BITS_)                                                                  \
     static void tile_qg_##MR_##_##NB_##_##BITS_(                                                  \
-        const int8_t *xq, int64_t ldq, const int32_t *xsum, int64_t ldg, const float *row_scale,   \
+        const int8_t *xq, int64_t ldq, const int32_t *xsum, const float *xscale, int64_t ldg,      \
         const uint8_t *w, int64_t ps, const float *scales, const int8_t *zeros, int64_t ss,        \
-        int64_t gs, int64_t groups, const float *bias, float *y, int64_t ldy, int64_t ncols) {     \
+        int64_t bs, int64_t blocks, int64_t wr, const float *bias, float *y, int64_t ldy,          \
+        int64_t ncols) {                                                                           \
         enum { MR = MR_, NB = NB_, BITS = BITS_ };                                                 \
         QG_TILE_BODY(MR, NB, BITS)                                                                 \
     }

@@ -1,12 +1,13 @@
 /*
  * Products of float32 rows with grouped 8- or 4-bit weights for few rows, through int8
- * activations: y[M, N] = s_x * (q_x @ W'^T) (+ bias[N]), W' as rows_qg.h describes it (what
- * engine/quant/reference.py's `reference_linear(..., int8_activations=True)` computes).
+ * activations quantised in groups: W' as rows_qg.h describes it, what
+ * engine/quant/reference.py's `reference_linear(..., int8_activations=True)` computes.
  *
  * Each call quantises the rows of x on the calling thread, into a buffer of its own: optionally
  * gathering x's columns in the weight's stored order first (x[:, perm], GPTQ's act-order), per
- * row s_x = max |x| / 127 and q_x = round-half-to-even(x / s_x) clamped to [-127, 127] (a row of
- * zeros: s_x = 0, q_x = 0; as rows_gemm_q8), and the sums of q_x over each group. Then the
+ * row and activation group of `ags` columns s_x = max |x| / 127 and q_x = round-half-to-even(x /
+ * s_x) clamped to [-127, 127] (a group of zeros: s_x = 0, q_x = 0), and the sums of q_x over each
+ * block of gcd(ags, gs) columns, with the scale of the block's activation group. Then the
  * panels are cut into units of whole tiles that the threads of unit_pool.h (the pool of
  * rows_gemm.c, the same library) claim in runs of about QG_CHUNK_BYTES of weights; more rows
  * than a tile takes (QG_MR_MAX) run in passes of equal size over the same run of panels, the
@@ -25,14 +26,14 @@
 
 typedef struct {
     const int8_t *xq; /* [m, k] */
-    const int32_t *xsum; /* [m, groups] */
-    const float *row_scale; /* [m] */
+    const int32_t *xsum; /* [m, blocks] */
+    const float *xscale; /* [m, blocks] */
     const uint8_t *w;
     const float *scales;
     const int8_t *zeros;
     const float *bias;
     float *y; /* [m, n] */
-    int64_t m, k, n, gs, groups, bits;
+    int64_t m, k, n, bs, blocks, wr, bits;
     int64_t pass; /* rows per pass over the weights, <= QG_MR_MAX */
 } qg_job_t;
 
@@ -43,16 +44,16 @@ static inline int64_t panel_bytes(const qg_job_t *job) { return job->k * PANEL *
  * rest. */
 static void run_tiles(const qg_job_t *job, int64_t r, int mr, int64_t p0, int64_t p1) {
     const int nb = QG_TILE_NB[mr];
-    const int64_t ps = panel_bytes(job), ss = job->groups * PANEL;
+    const int64_t ps = panel_bytes(job), ss = job->blocks / job->wr * PANEL;
     const qg_tile_fn main = (job->bits == 8 ? QG_MAIN_8 : QG_MAIN_4)[mr];
     const qg_tile_fn one = (job->bits == 8 ? QG_ONE_8 : QG_ONE_4)[mr];
     for (int64_t p = p0; p < p1;) {
         const int full = p + nb <= p1;
         const int64_t width = (full ? nb : 1) * PANEL, left = job->n - p * PANEL;
-        (full ? main : one)(job->xq + r * job->k, job->k, job->xsum + r * job->groups,
-                            job->groups, job->row_scale + r, job->w + p * ps, ps,
+        (full ? main : one)(job->xq + r * job->k, job->k, job->xsum + r * job->blocks,
+                            job->xscale + r * job->blocks, job->blocks, job->w + p * ps, ps,
                             job->scales + p * ss, job->zeros ? job->zeros + p * ss : 0, ss,
-                            job->gs, job->groups, job->bias ? job->bias + p * PANEL : 0,
+                            job->bs, job->blocks, job->wr, job->bias ? job->bias + p * PANEL : 0,
                             job->y + r * job->n + p * PANEL, job->n, left < width ? left : width);
         p += full ? nb : 1;
     }
@@ -82,21 +83,35 @@ static inline int8_t quantise(float a, float scale) {
     return (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
 }
 
+/* The greatest common divisor of a and b (both > 0). */
+static int64_t gcd(int64_t a, int64_t b) {
+    while (b) {
+        const int64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
 /* y [m, n] (contiguous) = x [m, k] (row stride ldx) times the grouped weight packed as
  * rows_qg.h describes (`bits` 8 or 4, `gs` input columns per group), x's columns taken in the
- * order `perm` [k] when not NULL; + bias, when not NULL, padded to ceil(n / 16) * 16 floats.
- * Returns 0, -2 (y untouched) if bits, gs or k do not fit the layout (gs a multiple of 4 for 8
- * bits, of 8 for 4 bits, dividing k; gs at most 65536). Aborts if memory runs out. */
+ * order `perm` [k] when not NULL and quantised in activation groups of `ags` columns; + bias,
+ * when not NULL, padded to ceil(n / 16) * 16 floats. Returns 0, -2 (y untouched) if bits, gs,
+ * ags or k do not fit the layout (gs and ags dividing k; gs and gcd(ags, gs) a multiple of 4 for
+ * 8 bits, of 8 for 4 bits; gs at most 65536). Aborts if memory runs out. */
 int rows_gemm_qg(const float *x, int64_t ldx, const int64_t *perm, const uint8_t *packed,
-                 const float *scales, const int8_t *zeros, int64_t bits, int64_t gs,
+                 const float *scales, const int8_t *zeros, int64_t bits, int64_t gs, int64_t ags,
                  const float *bias, float *y, int64_t m, int64_t k, int64_t n) {
-    if ((bits != 8 && bits != 4) || gs <= 0 || gs % (bits == 8 ? 4 : 8) || k % gs || gs > 65536)
+    const int64_t step = bits == 8 ? 4 : 8;
+    if ((bits != 8 && bits != 4) || gs <= 0 || gs % step || k % gs || gs > 65536 || ags <= 0 ||
+        k % ags || gcd(ags, gs) % step)
         return -2;
     if (m <= 0 || n <= 0) return 0;
     static __thread char *buffer;
     static __thread size_t capacity;
-    const int64_t groups = k / gs;
-    const size_t need = (size_t)m * ((size_t)groups * sizeof(int32_t) + sizeof(float) + (size_t)k);
+    const int64_t bs = gcd(ags, gs), blocks = k / bs;
+    const size_t need =
+        (size_t)m * ((size_t)blocks * (sizeof(int32_t) + sizeof(float)) + (size_t)k);
     if (need > capacity) {
         free(buffer);
         buffer = malloc(need);
@@ -104,28 +119,32 @@ int rows_gemm_qg(const float *x, int64_t ldx, const int64_t *perm, const uint8_t
         capacity = need;
     }
     int32_t *xsum = (int32_t *)buffer;
-    float *row_scale = (float *)(xsum + m * groups);
-    int8_t *xq = (int8_t *)(row_scale + m);
+    float *xscale = (float *)(xsum + m * blocks);
+    int8_t *xq = (int8_t *)(xscale + m * blocks);
     for (int64_t i = 0; i < m; i++) {
         const float *row = x + i * ldx;
-        float amax = 0.0f;
-        for (int64_t kk = 0; kk < k; kk++) amax = fabsf(row[kk]) > amax ? fabsf(row[kk]) : amax;
-        const float scale = amax / 127.0f;
         int8_t *q = xq + i * k;
-        for (int64_t g = 0; g < groups; g++) {
-            int32_t sum = 0;
-            for (int64_t kk = g * gs; kk < (g + 1) * gs; kk++) {
-                q[kk] = scale != 0.0f ? quantise(row[perm ? perm[kk] : kk], scale) : 0;
-                sum += q[kk];
+        for (int64_t a = 0; a < k / ags; a++) {
+            float amax = 0.0f;
+            for (int64_t kk = a * ags; kk < (a + 1) * ags; kk++) {
+                const float v = fabsf(row[perm ? perm[kk] : kk]);
+                amax = v > amax ? v : amax;
             }
-            xsum[i * groups + g] = sum;
+            const float scale = amax / 127.0f;
+            for (int64_t kk = a * ags; kk < (a + 1) * ags; kk++)
+                q[kk] = scale != 0.0f ? quantise(row[perm ? perm[kk] : kk], scale) : 0;
+            for (int64_t b = a * ags / bs; b < (a + 1) * ags / bs; b++) {
+                int32_t sum = 0;
+                for (int64_t kk = b * bs; kk < (b + 1) * bs; kk++) sum += q[kk];
+                xsum[i * blocks + b] = sum;
+                xscale[i * blocks + b] = scale;
+            }
         }
-        row_scale[i] = scale;
     }
     const int64_t passes = (m + QG_MR_MAX - 1) / QG_MR_MAX;
-    qg_job_t job = {.xq = xq, .xsum = xsum, .row_scale = row_scale, .w = packed,
+    qg_job_t job = {.xq = xq, .xsum = xsum, .xscale = xscale, .w = packed,
                     .scales = scales, .zeros = zeros, .bias = bias, .y = y, .m = m, .k = k,
-                    .n = n, .gs = gs, .groups = groups, .bits = bits,
+                    .n = n, .bs = bs, .blocks = blocks, .wr = gs / bs, .bits = bits,
                     .pass = (m + passes - 1) / passes};
     const int64_t npanels = (n + PANEL - 1) / PANEL, unit = QG_TILE_NB[job.pass];
     const int64_t unit_bytes = unit * panel_bytes(&job);

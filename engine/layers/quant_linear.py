@@ -83,10 +83,10 @@ class QuantLinear(nn.Module):
         with torch.no_grad():
             for start in range(0, rows, 1024):  # bounds the float32 temporaries
                 chunk = weight[start : start + 1024].to(torch.float32)
-                q, s = quantize_rows(chunk)
+                q, s = quantize_rows(chunk, self.in_features)
                 at = row_offset + start
                 into.qweight[at : at + chunk.shape[0]].copy_(q)
-                into.scales[at : at + chunk.shape[0], 0].copy_(s)
+                into.scales[at : at + chunk.shape[0]].copy_(s)
 
     def _loading_int8(self) -> QuantizedWeight:
         """int8: the weight rows are written into (the kernel's, unpacked, once it is built)."""

@@ -32,7 +32,12 @@ import torch
 import engine.quant.kernels
 from engine.llm import LLM, GenerationOutput
 from engine.paths import default_model_path, model_path
-from tests.quant_reference import dequantized_weights, oracle_greedy, oracle_model
+from tests.quant_reference import (
+    column_orders,
+    dequantized_weights,
+    oracle_greedy,
+    oracle_model,
+)
 from tests.reference import Reference, TreeRows, chat_prompt_ids, compare_greedy, require_model
 from tools.gptq_writer import GptqOptions, write_gptq
 from tools.tiny_speculator import write_tiny_speculator
@@ -83,7 +88,8 @@ def _oracle(workdir: Path, name: str, fmt: str, int8_activations: bool) -> torch
     folder, _ = _checkpoint(workdir, name, fmt)
     method = "int8" if FORMATS[fmt] is None else "gptq"
     weights = dequantized_weights(folder, _source(name), method)
-    return oracle_model(_source(name), weights, int8_activations)
+    orders = column_orders(folder, method)
+    return oracle_model(_source(name), weights, int8_activations, orders=orders)
 
 
 def compare_a8(ours: GenerationOutput, ref: Reference) -> None:

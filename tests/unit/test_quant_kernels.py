@@ -21,7 +21,7 @@ from engine.kernels.quant_rows import (
     kernel_isa,
     pack_quantized,
 )
-from engine.quant.reference import quantize_rows, reference_linear
+from engine.quant.reference import activation_group, dequantize_rows, reference_linear
 from engine.quant.weights import QuantizedWeight, pack_int4
 
 
@@ -60,12 +60,12 @@ def make_weight(
 def magnitude(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The reference product over absolute values: what float32 rounding is relative to."""
     xs = x if w.perm is None else x[:, w.perm]
-    xq, sx = quantize_rows(xs)
+    xd = dequantize_rows(xs, activation_group(w.in_features)).to(torch.float64)
     q = w.int_values().to(torch.float64)
     if w.zeros is not None:
         q = q - w.zeros.to(torch.float64).repeat_interleave(w.group_size, dim=1)
     wa = q.abs() * w.scales.to(torch.float64).repeat_interleave(w.group_size, dim=1)
-    mag = (xq.to(torch.float64).abs() @ wa.T) * sx.to(torch.float64)[:, None]
+    mag = xd.abs() @ wa.T
     return mag if bias is None else mag + bias.abs().to(torch.float64)
 
 

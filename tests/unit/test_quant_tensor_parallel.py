@@ -16,7 +16,12 @@ from engine.layers.quant_linear import QuantLinear
 from engine.llm import LLM
 from engine.models.loader import CheckpointError
 from engine.paths import model_path
-from tests.quant_reference import dequantized_weights, oracle_greedy, oracle_model
+from tests.quant_reference import (
+    column_orders,
+    dequantized_weights,
+    oracle_greedy,
+    oracle_model,
+)
 from tests.reference import chat_prompt_ids, require_model
 from tests.unit.test_quant_exactness import MAX_NEW_TOKENS, compare_a8
 from tools.gptq_writer import GptqOptions, write_gptq
@@ -37,7 +42,9 @@ def test_two_ranks_equal_transformers(fmt: str, tmp_path: Path) -> None:
     options = FORMATS[fmt]
     folder = src if options is None else write_gptq(src, tmp_path / "gptq", options)
     method = "int8" if options is None else "gptq"
-    oracle = oracle_model(src, dequantized_weights(folder, src, method), num_shards=2)
+    weights = dequantized_weights(folder, src, method)
+    orders = column_orders(folder, method, num_shards=2)
+    oracle = oracle_model(src, weights, num_shards=2, orders=orders)
     prompts = [list(p) for p in chat_prompt_ids(src)[:2]]
     with LLM(
         folder, max_num_tokens=1024, quantize="int8" if options is None else None,

@@ -11,7 +11,7 @@ import torch
 from engine.layers.quant_linear import QuantLinear
 from engine.quant.gptq import group_order
 from engine.quant.kernels import int8_activations, quant_kernel
-from engine.quant.reference import quantize_rows, reference_linear
+from engine.quant.reference import activation_group, quantize_rows, reference_linear
 from engine.quant.scheme import QuantScheme
 from engine.quant.weights import QuantizedWeight, pack_int4
 from tests.quant_reference import int8_dequantize
@@ -62,8 +62,14 @@ def test_reference_product_is_the_fake_quantized_float_product(
     w = _weight(bits, 16, zeros, perm)
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(24)
-    xq, sx = quantize_rows(x)
-    fake = xq.double() * sx.double()[:, None]
+    group = activation_group(96)  # 32: blocks of 16 with the weight's groups
+    stored = x if w.perm is None else x[:, w.perm]
+    fake = torch.empty(7, 96, dtype=torch.float64)
+    for a in range(96 // group):  # each group of the stored order quantized as a row of its own
+        xq, sx = quantize_rows(stored[:, a * group : (a + 1) * group], group)
+        fake[:, a * group : (a + 1) * group] = xq.double() * sx.double()
+    if w.perm is not None:
+        fake[:, w.perm] = fake.clone()
     expected = fake @ w.dequantize(torch.float64).T + bias.double()
     got = reference_linear(x, w, bias, int8_activations=True)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
