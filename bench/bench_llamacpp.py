@@ -21,6 +21,7 @@ check of the files (a near-tie may still split them).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -30,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -44,6 +46,11 @@ CHILD = Path(__file__).with_name("llamacpp_child.py")
 GGUF_TYPES = {"F32": 0, "Q8_0": 7, "Q4_0": 2}  # llama.cpp's file type numbers
 SPECSERVE = {"float32": None, "int8": "int8", "gptq-4bit": "gptq"}
 PAIRS = [("float32", "F32"), ("int8", "Q8_0"), ("gptq-4bit", "Q4_0")]
+
+
+def llama_decode(python: str, argv: list[str]) -> list[dict[str, object]]:
+    """llama.cpp's per-prompt decode results (`child`'s "decode" mode)."""
+    return cast(list[dict[str, object]], child(python, *argv)["prompts"])
 
 
 def child(python: str, *args: str) -> dict[str, object]:
@@ -122,18 +129,12 @@ def main() -> None:
         json.dump(prompts, ids_file)
         ids_file.flush()
         runs: dict[str, Callable[[], list[dict[str, object]]]] = {
-            name: (lambda llm=llm: specserve_decode(llm, prompts, args.new_tokens))
+            name: functools.partial(specserve_decode, llm, prompts, args.new_tokens)
             for name, llm in engines.items()
         }
         for name, path in ggufs.items():
-            runs[f"llama.cpp {name}"] = lambda path=path: child(  # type: ignore[misc]
-                args.llama_python,
-                "decode",
-                str(path),
-                ids_file.name,
-                str(args.new_tokens),
-                str(args.threads),
-            )["prompts"]
+            argv = ["decode", str(path), ids_file.name, str(args.new_tokens), str(args.threads)]
+            runs[f"llama.cpp {name}"] = functools.partial(llama_decode, args.llama_python, argv)
         for run in runs.values():  # warm-up: kernels chosen, files in the page cache
             run()
         rates: dict[str, list[float]] = {name: [] for name in runs}

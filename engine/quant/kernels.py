@@ -1,9 +1,10 @@
 """The one place that chooses the kernel a quantized layer runs.
 
 On CPU every quantized layer runs with int8 activations, quantized per row and activation group
-(`engine.quant.reference.quantize_rows`: W8A8, and W4A8 for 4-bit GPTQ); on CUDA GPTQ is weight-only (activations in the model dtype) and `int8` is W8A8.
-The kernel returned computes `engine.quant.reference.reference_linear` for that choice, to
-float32 rounding, and holds the layer's only resident copy of the weight, in its own layout.
+(`engine.quant.reference.quantize_rows`: W8A8, and W4A8 for 4-bit GPTQ); on CUDA GPTQ is
+weight-only (activations in the model dtype) and `int8` is W8A8. The kernel returned computes
+`engine.quant.reference.reference_linear` for that choice, to float32 rounding, and holds the
+layer's only resident copy of the weight, in its own layout.
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ def quant_kernel(
     method: str,
 ) -> QuantKernel:
     """x [M, in] (any M, `dtype` on `device`) -> y [M, out] in `dtype`: x @ W.T + bias, with
-    the activations quantized per row and group where `int8_activations` says so. CPU: the rows family's
-    grouped integer kernels (`engine.kernels.quant_rows`, float32 rows in and out); CUDA: the
-    Triton kernels (`engine.kernels.quant_triton`, whose `warm_up` compiles them); elsewhere,
-    and for a weight-only product on a CPU, the reference product. The caller drops `weight`:
-    the kernel keeps what it needs."""
+    the activations quantized per row and group where `int8_activations` says so. CPU: the rows
+    family's grouped integer kernels (`engine.kernels.quant_rows`, float32 rows in and out);
+    CUDA: the Triton kernels (`engine.kernels.quant_triton`, whose `warm_up` compiles them);
+    elsewhere, and for a weight-only product on a CPU, the reference product. The caller drops
+    `weight`: the kernel keeps what it needs."""
     int8 = int8_activations(device, method)  # looked up at each build: see int8_activations
     if device.type == "cpu" and int8:
         from engine.kernels.quant_rows import build_quant_kernel
