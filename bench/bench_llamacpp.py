@@ -1,7 +1,8 @@
 """Batch-1 greedy decode of the default model, specserve against llama.cpp, side by side in one
 run: specserve in float32, int8 (quantized at load) and GPTQ 4-bit (group 128, written by
-`tools.gptq_writer`), llama.cpp (llama-cpp-python) in F32, Q8_0 and Q4_0, all on the same
-threads, the same chat prompts (token ids) and the same number of new tokens.
+`tools.gptq_writer`; with the LM head in float32, and quantized too), llama.cpp (llama-cpp-
+python) in F32, Q8_0 and Q4_0, all on the same threads, the same chat prompts (token ids) and
+the same number of new tokens.
 
 llama.cpp runs in its own interpreter (`--llama-python`: a venv with llama-cpp-python, kept out
 of this project's dependencies) through `bench/llamacpp_child.py`. Its files are made from the
@@ -44,8 +45,8 @@ from training.prompts import CHAT_PROMPTS, chat_prompt_ids
 
 CHILD = Path(__file__).with_name("llamacpp_child.py")
 GGUF_TYPES = {"F32": 0, "Q8_0": 7, "Q4_0": 2}  # llama.cpp's file type numbers
-SPECSERVE = {"float32": None, "int8": "int8", "gptq-4bit": "gptq"}
-PAIRS = [("float32", "F32"), ("int8", "Q8_0"), ("gptq-4bit", "Q4_0")]
+SPECSERVE = {"float32": None, "int8": "int8", "gptq-4bit": "gptq", "gptq-4bit-head": "gptq"}
+PAIRS = [("float32", "F32"), ("int8", "Q8_0"), ("gptq-4bit", "Q4_0"), ("gptq-4bit-head", "Q4_0")]
 
 
 def llama_decode(python: str, argv: list[str]) -> list[dict[str, object]]:
@@ -78,11 +79,12 @@ def gguf_files(python: str) -> dict[str, Path]:
     return files
 
 
-def gptq_folder(model: Path) -> Path:
-    """The default model as a GPTQ 4-bit, group-128 symmetric checkpoint, written once."""
-    dst = specserve_home() / "models" / f"{model.name}-gptq-4bit-g128"
+def gptq_folder(model: Path, lm_head: bool = False) -> Path:
+    """The default model as a GPTQ 4-bit, group-128 symmetric checkpoint (with `lm_head`, its LM
+    head quantized too), written once."""
+    dst = specserve_home() / "models" / f"{model.name}-gptq-4bit-g128{'-head' if lm_head else ''}"
     if not (dst / "quantize_config.json").is_file():
-        write_gptq(model, dst, GptqOptions(bits=4, group_size=128))
+        write_gptq(model, dst, GptqOptions(bits=4, group_size=128, lm_head=lm_head))
     return dst
 
 
@@ -118,7 +120,8 @@ def main() -> None:
 
     model = default_model_path()
     ggufs = gguf_files(args.llama_python)
-    folders = {"float32": model, "int8": model, "gptq-4bit": gptq_folder(model)}
+    folders = {"float32": model, "int8": model, "gptq-4bit": gptq_folder(model),
+               "gptq-4bit-head": gptq_folder(model, lm_head=True)}
     engines = {
         name: LLM(folders[name], dtype="float32", quantize=quantize)
         for name, quantize in SPECSERVE.items()

@@ -179,8 +179,11 @@ def write_gptq(src: Path, dst: Path, o: GptqOptions) -> Path:
 
 
 def _save(tensors: dict[str, torch.Tensor], dst: Path, shards: int) -> None:
+    """The tensors in `shards` safetensors files, readable by all (safetensors writes them
+    owner-only, which a container's unprivileged user cannot read)."""
     if shards <= 1:
         save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        (dst / "model.safetensors").chmod(0o644)
         return
     names = sorted(tensors)
     per = math.ceil(len(names) / shards)
@@ -189,6 +192,7 @@ def _save(tensors: dict[str, torch.Tensor], dst: Path, shards: int) -> None:
         file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         part = {n: tensors[n] for n in names[k * per : (k + 1) * per]}
         save_file(part, str(dst / file), metadata={"format": "pt"})
+        (dst / file).chmod(0o644)
         weight_map |= dict.fromkeys(part, file)
     index = {"metadata": {}, "weight_map": weight_map}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
