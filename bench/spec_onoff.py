@@ -15,6 +15,7 @@ per-pair ratios, and the speculative steps taken. Writes bench/results/spec_onof
 
     python -m bench.spec_onoff --speculator PATH [--concurrency 1 4 16 32] [--rounds 16]
                                [--window 2.5] [--temperature 0.7 --top-p 0.9]
+                               [--model PATH --quantize int8|gptq]
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=default_model_path())
     parser.add_argument("--speculator", type=Path, required=True)
+    parser.add_argument("--quantize", choices=["int8", "gptq"], help="QUANTIZE (default: none)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--rounds", type=int, default=16, help="pairs of windows per level")
     parser.add_argument("--window", type=float, default=2.5, help="seconds per window")
@@ -100,7 +102,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args()
 
-    llm = LLM(args.model, dtype="float32", speculator=args.speculator)
+    llm = LLM(args.model, dtype="float32", speculator=args.speculator, quantize=args.quantize)
     engine = llm.engine
     drafter = engine.drafter
     prompts = chat_prompt_ids(llm.tokenizer, SERVING_PROMPTS)
