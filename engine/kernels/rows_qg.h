@@ -53,21 +53,9 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(const int8_t *
     return acc;
 }
 
-/* The k steps of block b into acc[MR][NB] (set to zero first). One row: the four activation
- * bytes broadcast once into a register, the weights each panel's memory operand; more rows: the
- * weights loaded once into registers, the activations each row's broadcast memory operand. */
+/* The k steps of block b into acc[MR][NB]. */
 #define QG_GROUP_8(MR, NB) \
     for (int64_t t = b * bs / 4; t < (b + 1) * bs / 4; t++) { \
-        if (MR == 1) { \
-            int32_t quad; \
-            memcpy(&quad, xq + 4 * t, sizeof quad); \
-            const __m512i xb = _mm512_set1_epi32(quad); \
-_Pragma("GCC unroll 8") \
-            for (int j = 0; j < NB; j++) \
-                acc[0][j] = _mm512_dpbusd_epi32( \
-                    acc[0][j], _mm512_loadu_si512((const void *)(w + j * ps + t * 64)), xb); \
-            continue; \
-        } \
         __m512i wv[NB]; \
 _Pragma("GCC unroll 8") \
         for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_si512((const void *)(w + j * ps + t * 64)); \
@@ -96,46 +84,37 @@ _Pragma("GCC unroll 8") \
             } \
         } \
     }
-/* Block b's exact sums of row i, panel j, less the offset and zero terms, as floats: d -
- * (QG_OFFSET + z) * xsum, the zero term subtracted in float (exact: integers below 2^24). */
-#define QG_BLOCK_SUM(i, j, xo, xf) \
-    ({ \
-        __m512 d_ = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], xo)); \
-        if (zeros) d_ = _mm512_fnmadd_ps(zf[j], xf, d_); \
-        d_; \
-    })
-/* Two ways to add the blocks: with one weight group per row (wr == blocks) each block's sums
- * times the row's activation scale are added, and the weight scales applied once at the end; with
- * several, each block's sums are scaled by its group's weight scales, then by the activation
- * scale. */
-#define QG_TILE_BODY(MR, NB, BITS) \
-    const __m512i nibble = _mm512_set1_epi8(0x0F); \
-    (void)nibble; \
-    const int one_group = wr == blocks; \
+/* One path of the tile, ONE (one weight group, wr == blocks) and ZEROS (zeros != NULL) known at
+ * compile time. Each block's sums start at -QG_OFFSET * xsum, so that they end as d - QG_OFFSET *
+ * xsum; the zero term z * xsum is subtracted in float (exact: integers below 2^24). The block's
+ * sums times its activation scale are added up: with one weight group its scales multiply the
+ * total once at the end, with several they multiply each block's sums. */
+#define QG_TILE_PATH(MR, NB, BITS, ONE, ZEROS) \
     __m512 facc[MR][NB], s[NB], zf[NB]; \
 _Pragma("GCC unroll 16") \
     for (int i = 0; i < MR; i++) { \
 _Pragma("GCC unroll 8") \
         for (int j = 0; j < NB; j++) facc[i][j] = _mm512_setzero_ps(); \
     } \
-    for (int64_t b = 0, g = 0, in_group = 0; b < blocks; b++) { \
-        if (b == 0 || in_group == wr) { /* the weight group of block b: b / wr */ \
+    for (int64_t b = 0, g = 0, in_group = wr; b < blocks; b++) { \
+        if (in_group == wr) { /* block b starts weight group g = b / wr */ \
             if (b) g++; \
             in_group = 0; \
 _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
                 s[j] = _mm512_loadu_ps(scales + j * ss + g * PANEL); \
-                zf[j] = zeros ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128( \
-                                    (const __m128i *)(zeros + j * ss + g * PANEL)))) \
-                              : _mm512_setzero_ps(); \
+                if (ZEROS) \
+                    zf[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32( \
+                        _mm_loadu_si128((const __m128i *)(zeros + j * ss + g * PANEL)))); \
             } \
         } \
         in_group++; \
         __m512i acc[MR][NB]; \
 _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
+            const __m512i start = _mm512_set1_epi32(-QG_OFFSET(BITS) * xsum[i * ldg + b]); \
 _Pragma("GCC unroll 8") \
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_si512(); \
+            for (int j = 0; j < NB; j++) acc[i][j] = start; \
         } \
         if (BITS == 8) { \
             QG_GROUP_8(MR, NB) \
@@ -144,15 +123,15 @@ _Pragma("GCC unroll 8") \
         } \
 _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
-            const int32_t xs = xsum[i * ldg + b]; \
-            const __m512i xo = _mm512_set1_epi32(QG_OFFSET(BITS) * xs); \
-            const __m512 xf = _mm512_set1_ps((float)xs); \
             const __m512 sx = _mm512_set1_ps(xscale[i * ldg + b]); \
+            const __m512 xf = _mm512_set1_ps(ZEROS ? (float)xsum[i * ldg + b] : 0.0f); \
+            (void)xf; \
 _Pragma("GCC unroll 8") \
             for (int j = 0; j < NB; j++) { \
-                const __m512 d = QG_BLOCK_SUM(i, j, xo, xf); \
-                facc[i][j] = _mm512_fmadd_ps(one_group ? d : _mm512_mul_ps(d, s[j]), sx, \
-                                             facc[i][j]); \
+                __m512 d = _mm512_cvtepi32_ps(acc[i][j]); \
+                if (ZEROS) d = _mm512_fnmadd_ps(zf[j], xf, d); \
+                if (!ONE) d = _mm512_mul_ps(d, s[j]); \
+                facc[i][j] = _mm512_fmadd_ps(d, sx, facc[i][j]); \
             } \
         } \
     } \
@@ -163,10 +142,20 @@ _Pragma("GCC unroll 8") \
         const __mmask16 mask = panel_mask(left); \
 _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
-            __m512 v = one_group ? _mm512_mul_ps(facc[i][j], s[j]) : facc[i][j]; \
+            __m512 v = ONE ? _mm512_mul_ps(facc[i][j], s[j]) : facc[i][j]; \
             if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * PANEL)); \
             _mm512_mask_storeu_ps(y + i * ldy + j * PANEL, mask, v); \
         } \
+    }
+#define QG_TILE_BODY(MR, NB, BITS) \
+    const __m512i nibble = _mm512_set1_epi8(0x0F); \
+    (void)nibble; \
+    if (zeros) { \
+        QG_TILE_PATH(MR, NB, BITS, 0, 1) \
+    } else if (wr == blocks) { \
+        QG_TILE_PATH(MR, NB, BITS, 1, 0) \
+    } else { \
+        QG_TILE_PATH(MR, NB, BITS, 0, 0) \
     }
 
 /* Panels per tile for each row count (registers: 2 * MR * NB accumulators). */
