@@ -53,12 +53,20 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(const int8_t *
     return acc;
 }
 
+/* Tiles of up to QG_PREFETCH_MR rows, which stream their weights faster than they use them, ask
+ * for each panel's bytes QG_PREFETCH ahead of the loads. */
+#define QG_PREFETCH 1024
+#define QG_PREFETCH_MR 4
 /* The k steps of block b into acc[MR][NB]. */
 #define QG_GROUP_8(MR, NB) \
     for (int64_t t = b * bs / 4; t < (b + 1) * bs / 4; t++) { \
         __m512i wv[NB]; \
 _Pragma("GCC unroll 8") \
-        for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_si512((const void *)(w + j * ps + t * 64)); \
+        for (int j = 0; j < NB; j++) { \
+            if (MR <= QG_PREFETCH_MR) \
+                _mm_prefetch((const char *)(w + j * ps + t * 64 + QG_PREFETCH), _MM_HINT_T0); \
+            wv[j] = _mm512_loadu_si512((const void *)(w + j * ps + t * 64)); \
+        } \
 _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
 _Pragma("GCC unroll 8") \
@@ -71,6 +79,8 @@ _Pragma("GCC unroll 8") \
         __m512i lo[NB], hi[NB]; \
 _Pragma("GCC unroll 8") \
         for (int j = 0; j < NB; j++) { \
+            if (MR <= QG_PREFETCH_MR) \
+                _mm_prefetch((const char *)(w + j * ps + h * 64 + QG_PREFETCH), _MM_HINT_T0); \
             const __m512i v = _mm512_loadu_si512((const void *)(w + j * ps + h * 64)); \
             lo[j] = _mm512_and_si512(v, nibble); \
             hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble); \
