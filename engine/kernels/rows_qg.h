@@ -53,12 +53,20 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(const int8_t *
     return acc;
 }
 
-/* The k steps of block b into acc[MR][NB] (set to zero first). */
+/* Tiles of up to QG_PREFETCH_MR rows, which stream their weights faster than they use them, ask
+ * for each panel's bytes QG_PREFETCH ahead of the loads. */
+#define QG_PREFETCH 1024
+#define QG_PREFETCH_MR 4
+/* The k steps of block b into acc[MR][NB]. */
 #define QG_GROUP_8(MR, NB) \
     for (int64_t t = b * bs / 4; t < (b + 1) * bs / 4; t++) { \
         __m512i wv[NB]; \
 _Pragma("GCC unroll 8") \
-        for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_si512((const void *)(w + j * ps + t * 64)); \
+        for (int j = 0; j < NB; j++) { \
+            if (MR <= QG_PREFETCH_MR) \
+                _mm_prefetch((const char *)(w + j * ps + t * 64 + QG_PREFETCH), _MM_HINT_T0); \
+            wv[j] = _mm512_loadu_si512((const void *)(w + j * ps + t * 64)); \
+        } \
 _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
 _Pragma("GCC unroll 8") \
@@ -71,6 +79,8 @@ _Pragma("GCC unroll 8") \
         __m512i lo[NB], hi[NB]; \
 _Pragma("GCC unroll 8") \
         for (int j = 0; j < NB; j++) { \
+            if (MR <= QG_PREFETCH_MR) \
+                _mm_prefetch((const char *)(w + j * ps + h * 64 + QG_PREFETCH), _MM_HINT_T0); \
             const __m512i v = _mm512_loadu_si512((const void *)(w + j * ps + h * 64)); \
             lo[j] = _mm512_and_si512(v, nibble); \
             hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble); \
@@ -84,47 +94,54 @@ _Pragma("GCC unroll 8") \
             } \
         } \
     }
-#define QG_TILE_BODY(MR, NB, BITS) \
-    const __m512i nibble = _mm512_set1_epi8(0x0F); \
-    (void)nibble; \
-    __m512 facc[MR][NB]; \
+/* One path of the tile, ONE (one weight group, wr == blocks) and ZEROS (zeros != NULL) known at
+ * compile time. Each block's sums start at -QG_OFFSET * xsum, so that they end as d - QG_OFFSET *
+ * xsum; the zero term z * xsum is subtracted in float (exact: integers below 2^24). The block's
+ * sums times its activation scale are added up: with one weight group its scales multiply the
+ * total once at the end, with several they multiply each block's sums. */
+#define QG_TILE_PATH(MR, NB, BITS, ONE, ZEROS) \
+    __m512 facc[MR][NB], s[NB], zf[NB]; \
 _Pragma("GCC unroll 16") \
     for (int i = 0; i < MR; i++) { \
 _Pragma("GCC unroll 8") \
         for (int j = 0; j < NB; j++) facc[i][j] = _mm512_setzero_ps(); \
     } \
-    for (int64_t b = 0, g = 0, in_group = 0; b < blocks; b++) { \
-        if (in_group == wr) { /* the weight group of block b: b / wr, without a division */ \
-            g++; \
+    for (int64_t b = 0, g = 0, in_group = wr; b < blocks; b++) { \
+        if (in_group == wr) { /* block b starts weight group g = b / wr */ \
+            if (b) g++; \
             in_group = 0; \
+_Pragma("GCC unroll 8") \
+            for (int j = 0; j < NB; j++) { \
+                s[j] = _mm512_loadu_ps(scales + j * ss + g * PANEL); \
+                if (ZEROS) \
+                    zf[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32( \
+                        _mm_loadu_si128((const __m128i *)(zeros + j * ss + g * PANEL)))); \
+            } \
         } \
         in_group++; \
         __m512i acc[MR][NB]; \
 _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
+            const __m512i start = _mm512_set1_epi32(-QG_OFFSET(BITS) * xsum[i * ldg + b]); \
 _Pragma("GCC unroll 8") \
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_si512(); \
+            for (int j = 0; j < NB; j++) acc[i][j] = start; \
         } \
         if (BITS == 8) { \
             QG_GROUP_8(MR, NB) \
         } else { \
             QG_GROUP_4(MR, NB) \
         } \
-_Pragma("GCC unroll 8") \
-        for (int j = 0; j < NB; j++) { \
-            const __m512 s = _mm512_loadu_ps(scales + j * ss + g * PANEL); \
-            __m512i zo = _mm512_set1_epi32(QG_OFFSET(BITS)); \
-            if (zeros) \
-                zo = _mm512_add_epi32(zo, _mm512_cvtepi8_epi32(_mm_loadu_si128( \
-                                              (const __m128i *)(zeros + j * ss + g * PANEL)))); \
 _Pragma("GCC unroll 16") \
-            for (int i = 0; i < MR; i++) { \
-                const int32_t xs = xsum[i * ldg + b]; \
-                const __m512i c = zeros ? _mm512_mullo_epi32(zo, _mm512_set1_epi32(xs)) \
-                                        : _mm512_set1_epi32(QG_OFFSET(BITS) * xs); \
-                const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], c)); \
-                const __m512 sb = _mm512_mul_ps(s, _mm512_set1_ps(xscale[i * ldg + b])); \
-                facc[i][j] = _mm512_fmadd_ps(d, sb, facc[i][j]); \
+        for (int i = 0; i < MR; i++) { \
+            const __m512 sx = _mm512_set1_ps(xscale[i * ldg + b]); \
+            const __m512 xf = _mm512_set1_ps(ZEROS ? (float)xsum[i * ldg + b] : 0.0f); \
+            (void)xf; \
+_Pragma("GCC unroll 8") \
+            for (int j = 0; j < NB; j++) { \
+                __m512 d = _mm512_cvtepi32_ps(acc[i][j]); \
+                if (ZEROS) d = _mm512_fnmadd_ps(zf[j], xf, d); \
+                if (!ONE) d = _mm512_mul_ps(d, s[j]); \
+                facc[i][j] = _mm512_fmadd_ps(d, sx, facc[i][j]); \
             } \
         } \
     } \
@@ -135,10 +152,20 @@ _Pragma("GCC unroll 8") \
         const __mmask16 mask = panel_mask(left); \
 _Pragma("GCC unroll 16") \
         for (int i = 0; i < MR; i++) { \
-            __m512 v = facc[i][j]; \
+            __m512 v = ONE ? _mm512_mul_ps(facc[i][j], s[j]) : facc[i][j]; \
             if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * PANEL)); \
             _mm512_mask_storeu_ps(y + i * ldy + j * PANEL, mask, v); \
         } \
+    }
+#define QG_TILE_BODY(MR, NB, BITS) \
+    const __m512i nibble = _mm512_set1_epi8(0x0F); \
+    (void)nibble; \
+    if (zeros) { \
+        QG_TILE_PATH(MR, NB, BITS, 0, 1) \
+    } else if (wr == blocks) { \
+        QG_TILE_PATH(MR, NB, BITS, 1, 0) \
+    } else { \
+        QG_TILE_PATH(MR, NB, BITS, 0, 0) \
     }
 
 /* Panels per tile for each row count (registers: 2 * MR * NB accumulators). */

@@ -83,6 +83,28 @@ static inline int8_t quantise(float a, float scale) {
     return (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
 }
 
+/* q [n] = v [n] quantised with the scale it returns: max |v| / 127 (0: q all 0), as `quantise`.
+ * The maximum is taken over the bits of |v| as integers (the same order for floats that are not
+ * NaN), a loop the compiler vectorises. */
+static float quantise_group(const float *v, int64_t n, int8_t *q) {
+    uint32_t top = 0;
+    for (int64_t kk = 0; kk < n; kk++) {
+        uint32_t bits;
+        memcpy(&bits, v + kk, sizeof bits);
+        bits &= 0x7FFFFFFFu;
+        top = bits > top ? bits : top;
+    }
+    float amax;
+    memcpy(&amax, &top, sizeof amax);
+    const float scale = amax / 127.0f;
+    if (scale == 0.0f) {
+        memset(q, 0, (size_t)n);
+        return scale;
+    }
+    for (int64_t kk = 0; kk < n; kk++) q[kk] = quantise(v[kk], scale);
+    return scale;
+}
+
 /* The greatest common divisor of a and b (both > 0). */
 static int64_t gcd(int64_t a, int64_t b) {
     while (b) {
@@ -111,7 +133,8 @@ int rows_gemm_qg(const float *x, int64_t ldx, const int64_t *perm, const uint8_t
     static __thread size_t capacity;
     const int64_t bs = gcd(ags, gs), blocks = k / bs;
     const size_t need =
-        (size_t)m * ((size_t)blocks * (sizeof(int32_t) + sizeof(float)) + (size_t)k);
+        (size_t)m * ((size_t)blocks * (sizeof(int32_t) + sizeof(float)) + (size_t)k) +
+        (perm ? (size_t)k * sizeof(float) : 0);
     if (need > capacity) {
         free(buffer);
         buffer = malloc(need);
@@ -121,18 +144,16 @@ int rows_gemm_qg(const float *x, int64_t ldx, const int64_t *perm, const uint8_t
     int32_t *xsum = (int32_t *)buffer;
     float *xscale = (float *)(xsum + m * blocks);
     int8_t *xq = (int8_t *)(xscale + m * blocks);
+    float *gathered = (float *)(xq + m * k); /* one row's x[:, perm], when perm */
     for (int64_t i = 0; i < m; i++) {
         const float *row = x + i * ldx;
+        if (perm) {
+            for (int64_t kk = 0; kk < k; kk++) gathered[kk] = row[perm[kk]];
+            row = gathered;
+        }
         int8_t *q = xq + i * k;
         for (int64_t a = 0; a < k / ags; a++) {
-            float amax = 0.0f;
-            for (int64_t kk = a * ags; kk < (a + 1) * ags; kk++) {
-                const float v = fabsf(row[perm ? perm[kk] : kk]);
-                amax = v > amax ? v : amax;
-            }
-            const float scale = amax / 127.0f;
-            for (int64_t kk = a * ags; kk < (a + 1) * ags; kk++)
-                q[kk] = scale != 0.0f ? quantise(row[perm ? perm[kk] : kk], scale) : 0;
+            const float scale = quantise_group(row + a * ags, ags, q + a * ags);
             for (int64_t b = a * ags / bs; b < (a + 1) * ags / bs; b++) {
                 int32_t sum = 0;
                 for (int64_t kk = b * bs; kk < (b + 1) * bs; kk++) sum += q[kk];
