@@ -120,8 +120,12 @@ def main() -> None:
 
     model = default_model_path()
     ggufs = gguf_files(args.llama_python)
-    folders = {"float32": model, "int8": model, "gptq-4bit": gptq_folder(model),
-               "gptq-4bit-head": gptq_folder(model, lm_head=True)}
+    folders = {
+        "float32": model,
+        "int8": model,
+        "gptq-4bit": gptq_folder(model),
+        "gptq-4bit-head": gptq_folder(model, lm_head=True),
+    }
     engines = {
         name: LLM(folders[name], dtype="float32", quantize=quantize)
         for name, quantize in SPECSERVE.items()
