@@ -1,6 +1,7 @@
 /*
  * Fused float32 CPU kernels for the decoder's glue between matrix products: RMSNorm (with the
- * residual add), SiLU-and-multiply, RoPE, and a tied embedding's gather. Attention over the
+ * residual add), SiLU-and-multiply, RoPE, and a tied embedding's gather; and the sampler's passes
+ * over whole vocabulary rows (engine/kernels/selection.py). Attention over the
  * paged KV cache is in attention.c, the MLP speculator's drafting in drafting.c; the three build
  * into one library (engine/kernels/cpu.py).
  *
@@ -91,4 +92,58 @@ int gather_columns(const float *wt, int64_t ldw, int64_t k, int64_t ncols, const
         }
     }
     return 0;
+}
+
+/* For each of n rows of scores [n, v] (row stride ld): its k (1 <= k <= v) largest values in
+ * descending order (ties: the lower column first) into values [n, k] and their columns into
+ * ids [n, k] (top_select); scratch [2v] and kept_ids [v] are scratch. */
+void top_candidates(const float *scores, int64_t ld, int64_t n, int64_t v, int64_t k,
+                    float *values, int64_t *ids, float *scratch, int64_t *kept_ids) {
+    for (int64_t r = 0; r < n; r++) {
+        top_select(scores + r * ld, v, k, values + r * k, ids + r * k, scratch, kept_ids);
+    }
+}
+
+/* For each of n rows of x [n, v] (row stride ld): the sum of its v values in double, added in
+ * blocks (an order of its own) into sums [n]. */
+void row_sums_double(const float *x, int64_t ld, int64_t n, int64_t v, double *sums) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = x + r * ld;
+        double total = 0.0;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < v; j++) total += (double)row[j];
+        sums[r] = total;
+    }
+}
+
+/* out [n, v] = x[rows[r]] / divisors[r] for each of n rows (x's row stride ld; rows NULL: row
+ * r), divided as IEEE float32 division does. */
+void divide_rows(const float *x, int64_t ld, const int64_t *rows, int64_t n, int64_t v,
+                 const float *divisors, float *out) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = x + (rows ? rows[r] : r) * ld;
+        const float d = divisors[r];
+        float *o = out + r * v;
+#pragma omp simd
+        for (int64_t j = 0; j < v; j++) o[j] = row[j] / d;
+    }
+}
+
+/* For each of n rows (shifted [n, v] and e [n, v] contiguous; totals, log_totals [n]): the
+ * sum in double, in an order of its own, of p * (shifted - log_total) over the entries where
+ * p = e / total > 0, each product rounded to float32 first (torch's float32 products). */
+void plogp_sums_double(const float *shifted, const float *e, int64_t n, int64_t v,
+                       const float *totals, const float *log_totals, double *sums) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *s = shifted + r * v, *x = e + r * v;
+        const float total = totals[r], log_total = log_totals[r];
+        double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < v; j++) {
+            const float p = x[j] / total;
+            const float term = p * (s[j] - log_total);
+            sum += p > 0.0f ? (double)term : 0.0;
+        }
+        sums[r] = sum;
+    }
 }

@@ -70,4 +70,97 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s + tail;
 }
 
+#define TOP_SELECT_BLOCK 64
+
+/* Whether entry a of a top_select heap ranks below entry b: a lower value, or an equal value
+ * at a higher index. */
+static inline int top_worse(const float *best, const int64_t *ids, int64_t a, int64_t b) {
+    return best[a] < best[b] || (best[a] == best[b] && ids[a] > ids[b]);
+}
+
+/* Restores the heap (root: the worst entry) below entry `at` of the first n. */
+static inline void top_sift_down(float *best, int64_t *ids, int64_t n, int64_t at) {
+    for (;;) {
+        int64_t worst = at;
+        const int64_t left = 2 * at + 1, right = left + 1;
+        if (left < n && top_worse(best, ids, left, worst)) worst = left;
+        if (right < n && top_worse(best, ids, right, worst)) worst = right;
+        if (worst == at) return;
+        const float value = best[at];
+        const int64_t id = ids[at];
+        best[at] = best[worst], ids[at] = ids[worst];
+        best[worst] = value, ids[worst] = id;
+        at = worst;
+    }
+}
+
+/* top_select's heap of the best k among the n entries (values, their indices) in index order,
+ * sorted: best [k] and ids [k] in descending order (ties: the lower index first). */
+static inline void top_heap(const float *values, const int64_t *index, int64_t n, int64_t k,
+                            float *best, int64_t *ids) {
+    for (int64_t j = 0; j < k; j++) best[j] = values[j], ids[j] = index ? index[j] : j;
+    for (int64_t at = k / 2 - 1; at >= 0; at--) top_sift_down(best, ids, k, at);
+    for (int64_t j0 = k; j0 < n; j0 += TOP_SELECT_BLOCK) {
+        const int64_t j1 = j0 + TOP_SELECT_BLOCK < n ? j0 + TOP_SELECT_BLOCK : n;
+        float block_max = values[j0];
+#pragma omp simd reduction(max : block_max)
+        for (int64_t j = j0; j < j1; j++) block_max = values[j] > block_max ? values[j] : block_max;
+        if (!(block_max > best[0])) continue; /* an equal value at a higher index ranks below */
+        for (int64_t j = j0; j < j1; j++) {
+            if (values[j] > best[0]) {
+                best[0] = values[j], ids[0] = index ? index[j] : j;
+                top_sift_down(best, ids, k, 0);
+            }
+        }
+    }
+    for (int64_t m = k - 1; m > 0; m--) { /* the worst left goes last */
+        const float value = best[0];
+        const int64_t id = ids[0];
+        best[0] = best[m], ids[0] = ids[m];
+        best[m] = value, ids[m] = id;
+        top_sift_down(best, ids, m, 0);
+    }
+}
+
+/* The k (1 <= k <= v) largest values of x [v] in descending order (ties: the lower index
+ * first) into best [k], their indices into ids [k]; a row holding NaN gets some k of its
+ * entries. `scratch` [2v] and `kept_ids` [v] are scratch.
+ *
+ * The k-th largest of the maxima of blocks of x bounds the k-th largest value from below (k
+ * blocks hold a value at least as large), so only the values at or above it are kept (in index
+ * order) for a heap of the best k; blocks are sized to give about 3k maxima. */
+static inline void top_select(const float *x, int64_t v, int64_t k, float *best, int64_t *ids,
+                              float *scratch, int64_t *kept_ids) {
+    int64_t size = v / (3 * k);
+    size = size < 1 ? 1 : size > 64 ? 64 : size;
+    const int64_t num_blocks = v / size; /* a partial last block is left out: still a bound */
+    float *maxima = scratch, *kept = scratch + v;
+    float bound = -INFINITY;
+    if (num_blocks >= k) {
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const float *block = x + b * size;
+            float m = block[0];
+#pragma omp simd reduction(max : m)
+            for (int64_t j = 1; j < size; j++) m = block[j] > m ? block[j] : m;
+            maxima[b] = m;
+        }
+        top_heap(maxima, NULL, num_blocks, k, best, ids);
+        bound = best[k - 1];
+    }
+    int64_t n = 0;
+    for (int64_t b = 0; b * size < v; b++) {
+        if (b < num_blocks && maxima[b] < bound) continue;
+        const int64_t j1 = (b + 1) * size < v && b + 1 < num_blocks ? (b + 1) * size : v;
+        for (int64_t j = b * size; j < j1; j++) {
+            if (x[j] >= bound) kept[n] = x[j], kept_ids[n++] = j;
+        }
+        if (b + 1 >= num_blocks) break;
+    }
+    if (n >= k) {
+        top_heap(kept, kept_ids, n, k, best, ids);
+    } else { /* NaN in the bound */
+        top_heap(x, NULL, v, k, best, ids);
+    }
+}
+
 #endif

@@ -47,42 +47,19 @@ void speculator_stage(const float *projected, int64_t proj_stride, const int64_t
     }
 }
 
-#define TOPK_BLOCK 64
-
 /* The k (<= v) largest log-probabilities of one row of logits x [v], logit minus the row's
  * log-sum-exp, in descending order (ties: the lower column first) into best [k], and their
  * columns into ids [k], as columns[column] where columns [v] is not NULL. */
 static void topk_row(const float *x, int64_t v, int64_t k, const int64_t *columns, float *best,
                      int64_t *ids) {
-    int64_t filled = 0;
-    for (int64_t j0 = 0; j0 < v; j0 += TOPK_BLOCK) {
-        const int64_t j1 = j0 + TOPK_BLOCK < v ? j0 + TOPK_BLOCK : v;
-        if (filled == k) { /* most blocks hold nothing above the k-th best: one max says so */
-            float block_max = x[j0];
-#pragma omp simd reduction(max : block_max)
-            for (int64_t j = j0; j < j1; j++) block_max = x[j] > block_max ? x[j] : block_max;
-            if (!(block_max > best[k - 1])) continue;
-        }
-        for (int64_t j = j0; j < j1; j++) {
-            const float value = x[j];
-            if (filled == k && !(value > best[k - 1])) continue;
-            int64_t at = filled < k ? filled++ : k - 1;
-            while (at > 0 && value > best[at - 1]) {
-                best[at] = best[at - 1];
-                ids[at] = ids[at - 1];
-                at--;
-            }
-            best[at] = value;
-            ids[at] = j;
-        }
-    }
+    top_heap(x, NULL, v, k, best, ids);
     /* The sum of exponentials by blocks, the blocks' sums added in double: a float sum over
      * thousands of terms would drift by 1e-5 relative, as much as the lanes of a vectorised
      * reduction decide the order. */
     const float max = best[0];
     double sum = 0.0;
-    for (int64_t j0 = 0; j0 < v; j0 += TOPK_BLOCK) {
-        const int64_t j1 = j0 + TOPK_BLOCK < v ? j0 + TOPK_BLOCK : v;
+    for (int64_t j0 = 0; j0 < v; j0 += TOP_SELECT_BLOCK) {
+        const int64_t j1 = j0 + TOP_SELECT_BLOCK < v ? j0 + TOP_SELECT_BLOCK : v;
         float block = 0.0f;
 #pragma omp simd reduction(+ : block)
         for (int64_t j = j0; j < j1; j++) block += exp_poly(x[j] - max);

@@ -5,8 +5,11 @@ the rows whose candidates could not decide their rules)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,10 +79,12 @@ def launch(
     wide: int,
     row_tokens: bool,
     generated_token_ids: Sequence[Sequence[int]] | None,
+    threads: int = 1,
 ) -> Launched:
     """`sample_with_details`'s work on the device, with candidates of try `wide`
     (`CANDIDATE_WIDTHS`; 2: the whole vocabulary for every sampled row); `row_tokens`: each
-    row's token on the device too."""
+    row's token on the device too; `threads`: the CPU threads the caller may use (a CPU batch
+    of 8 rows or more gives groups of rows to a second thread when 2 or more)."""
     num_rows, vocab = len(params), logits.shape[-1]
     groups = _groups(params, vocab, wide, logits.device.type == "cpu")
     step = StepParams.build(params, seeds, positions, past_token_ids, num_generated,
@@ -101,48 +106,113 @@ def launch(
         head = []
         tokens_d = index_t.clone() if row_tokens else None
     reads: list[tuple[list[int], int, bool]] = []  # rows, detail width, sampled
-    if any(groups):
-        # top-k rows pick their own width; the whole-vocabulary rows have none
-        widths = (vocab, CANDIDATE_WIDTHS[min(wide, 1)], CANDIDATE_WIDTHS[min(wide, 1)], None)
-        for kind, (rows, index) in enumerate(zip(groups, step.groups, strict=True)):
-            if not rows:
-                continue
-            every = len(rows) == num_rows
-            sub = step if every else step.select(index)  # the rows' parameters
-            scores = penalised_scores(logits, None if every else index, sub)
-            if kind == 0:  # greedy
-                tokens = scores.argmax(-1)
-                parts.append(tokens.double())
-                if tokens_d is not None:
-                    tokens_d.index_copy_(0, index, tokens)
-                width = _top_width([params[i] for i in rows], vocab)
-                if width is not None:
-                    values, ids = scores.topk(width, -1)
-                    logp = scores.log_softmax(-1)
-                    parts.append(_details(scores, logp, tokens, values, ids, logp.gather(1, ids)))
-                reads.append((rows, -1 if width is None else width, False))
-                continue
-            c = filtered_candidates(scores, sub, [params[i] for i in rows], widths[kind - 1])
-            keys = keys_of(sub.rows[:, 6:9].long())
-            if c.whole:
-                drawn = keyed_sample_rows(c.scores, keys)
-            else:
-                drawn = keyed_sample_at(c.scores, c.token_ids, keys)
-            tokens = c.token_ids.gather(1, drawn[:, None])[:, 0]
-            if tokens_d is not None:
-                tokens_d.index_copy_(0, index, tokens)
-            # NaN, an infinite maximum (+inf: overflow, -inf: nothing left): no distribution
-            invalid = c.scores.isnan().any(-1) | ~c.scores.amax(-1).isfinite()
-            parts += [tokens.double(), invalid.double(), c.overflow.double()]
-            top = _top_width([params[i] for i in rows], c.scores.shape[1])
-            if top is not None:
-                logp = sorted_logprobs(c.scores)
-                parts.append(
-                    _details(c.scores, logp, drawn, c.scores[:, :top], c.token_ids[:, :top],
-                             logp[:, :top])
-                )  # fmt: skip
-            reads.append((rows, -1 if top is None else top, True))
+    # top-k rows pick their own width; the whole-vocabulary rows have none
+    widths = (vocab, CANDIDATE_WIDTHS[min(wide, 1)], CANDIDATE_WIDTHS[min(wide, 1)], None)
+    work = [
+        (kind, rows, index)
+        for kind, (rows, index) in enumerate(zip(groups, step.groups, strict=True))
+        if rows
+    ]
+
+    def choose(kind: int, rows: list[int], index: torch.Tensor) -> _Group:
+        return _choose_group(logits, params, step, kind, rows, index, widths, tokens_d)
+
+    if threads > 1 and tokens_d is None and len(work) > 1 and num_rows >= 8:
+        # the groups' vocabulary-wide operations release the GIL: two cores share them
+        given = _halves([_GROUP_COST[kind] * len(rows) for kind, rows, _ in work])
+        pool = _pool()
+        theirs = {n: pool.submit(_alone, choose, *work[n]) for n in given}
+        mine = {n: choose(*w) for n, w in enumerate(work) if n not in given}
+        done = [mine[n] if n in mine else theirs[n].result() for n in range(len(work))]
+    else:
+        done = [choose(*w) for w in work]
+    for group_parts, read in done:
+        parts += group_parts
+        reads.append(read)
     return Launched(head, parts, reads, logits, wide, tokens_d)
+
+
+_Group = tuple[list[torch.Tensor], tuple[list[int], int, bool]]
+"""A group's tensors to read and what they hold (`Launched.reads`' entry)."""
+
+
+def _choose_group(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    step: StepParams,
+    kind: int,  # `_groups`' kind
+    rows: list[int],
+    index: torch.Tensor,  # `rows` on the device
+    widths: tuple[int, int, int, int | None],  # candidates of kinds 1 to 4
+    tokens_d: torch.Tensor | None,  # each row's token on the device, filled in (or None)
+) -> _Group:
+    """The tokens, flags and details of one `_groups` group of a `launch`."""
+    every = len(rows) == logits.shape[0]
+    sub = step if every else step.select(index)  # the rows' parameters
+    scores = penalised_scores(logits, None if every else index, sub)
+    if kind == 0:  # greedy
+        tokens = scores.argmax(-1)
+        parts = [tokens.double()]
+        if tokens_d is not None:
+            tokens_d.index_copy_(0, index, tokens)
+        width = _top_width([params[i] for i in rows], logits.shape[-1])
+        if width is not None:
+            values, ids = scores.topk(width, -1)
+            logp = scores.log_softmax(-1)
+            parts.append(_details(scores, logp, tokens, values, ids, logp.gather(1, ids)))
+        return parts, (rows, -1 if width is None else width, False)
+    c = filtered_candidates(scores, sub, [params[i] for i in rows], widths[kind - 1])
+    keys = keys_of(sub.rows[:, 6:9].long())
+    if c.whole:
+        drawn = keyed_sample_rows(c.scores, keys)
+    else:
+        drawn = keyed_sample_at(c.scores, c.token_ids, keys)
+    tokens = c.token_ids.gather(1, drawn[:, None])[:, 0]
+    if tokens_d is not None:
+        tokens_d.index_copy_(0, index, tokens)
+    # NaN (`amax` propagates it), an infinite maximum (+inf: overflow, -inf: nothing left):
+    # no distribution
+    invalid = ~c.scores.amax(-1).isfinite()
+    parts = [tokens.double(), invalid.double(), c.overflow.double()]
+    top = _top_width([params[i] for i in rows], c.scores.shape[1])
+    if top is not None:
+        logp = sorted_logprobs(c.scores)
+        parts.append(
+            _details(c.scores, logp, drawn, c.scores[:, :top], c.token_ids[:, :top],
+                     logp[:, :top])
+        )  # fmt: skip
+    return parts, (rows, -1 if top is None else top, True)
+
+
+_GROUP_COST = (1.0, 1.5, 2.7, 5.0, 5.0)
+"""A row's relative cost on a CPU in each `_groups` kind (greedy, top-k, top-p, typical-p,
+the whole vocabulary)."""
+
+
+def _halves(costs: list[float]) -> set[int]:
+    """The items to give a second thread so that both take about as long: the costliest
+    first, each to the thread with less so far (the calling thread takes the first)."""
+    given: set[int] = set()
+    mine = theirs = 0.0
+    for n in sorted(range(len(costs)), key=lambda n: -costs[n]):
+        if mine <= theirs:
+            mine += costs[n]
+        else:
+            theirs += costs[n]
+            given.add(n)
+    return given
+
+
+def _alone(choose: Callable[[int, list[int], torch.Tensor], _Group], *args: Any) -> _Group:
+    """`choose(*args)` on a pool thread, under one intra-op thread as its caller is."""
+    torch.set_num_threads(1)
+    return choose(*args)
+
+
+@cache
+def _pool() -> ThreadPoolExecutor:
+    """The one thread that chooses groups beside a CPU's calling thread."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
 
 
 def finish(

@@ -20,6 +20,12 @@ import numpy as np
 import torch
 
 from engine.host_copy import to_device
+from engine.kernels.selection import (
+    divide_rows,
+    plogp_sums_double,
+    row_sums_double,
+    top_candidates,
+)
 from engine.sampling.keyed_draw import key_parts
 from engine.sampling.logits_processor import (
     MAX_SCORE,
@@ -151,7 +157,9 @@ def penalised_scores(
     greedy row's is 1): each penalised score is computed from the raw one, as
     `process_logits` does, and written over the divided scores."""
     temperature = step.column(1)
-    scores = logits / temperature if rows is None else logits[rows].div_(temperature)
+    scores = divide_rows(logits, rows, temperature[:, 0])
+    if scores is None:
+        scores = logits / temperature if rows is None else logits[rows].div_(temperature)
     if step.penalised_ids.shape[1] > 0:
         if rows is None:
             rows = torch.arange(logits.shape[0], device=logits.device)
@@ -172,10 +180,19 @@ def _normalised_total(scores: torch.Tensor) -> torch.Tensor:  # [M, 1]
 def _certain_sum(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 value [M, 1] of each row's float64 sum of `terms` [M, V] (all of one sign)
     taken in any order (a CPU `cumsum` accumulates float32 in float64), and whether it is
-    certain [M, 1]: any two orders differ by at most 2 (V - 1) 2**-53 |sum|, so the value is
-    certain when both ends of that interval round to the same float32."""
-    total = terms.sum(-1, keepdim=True, dtype=torch.float64)
-    margin = total.abs() * (2.0 * terms.shape[-1] * 2.0**-53 * 1.001)
+    certain [M, 1] (`_certain`)."""
+    total = row_sums_double(terms)
+    if total is None:
+        total = terms.double().sum(-1, keepdim=True)
+    return _certain(total, terms.shape[-1])
+
+
+def _certain(total: torch.Tensor, num_terms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`total` [M, 1], a float64 sum of `num_terms` float32 terms of one sign in some order,
+    as float32, and whether that is certain: any two orders differ by at most
+    2 (V - 1) 2**-53 |sum|, so the value is certain when both ends of that interval round to
+    the same float32."""
+    margin = total.abs() * (2.0 * num_terms * 2.0**-53 * 1.001)
     low, high = (total - margin).float(), (total + margin).float()
     return total.float(), low == high
 
@@ -187,8 +204,12 @@ def _vocabulary_sums(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     shifted = scores - scores.amax(-1, keepdim=True)
     e = shifted.exp()
     total, certain = _certain_sum(e)
-    probs, logp = e / total, shifted - total.log()
-    plogp, certain_h = _certain_sum(torch.where(probs > 0, probs * logp, 0.0))
+    sums = plogp_sums_double(shifted, e, total)
+    if sums is not None:
+        plogp, certain_h = _certain(sums, scores.shape[-1])
+    else:
+        probs, logp = e / total, shifted - total.log()
+        plogp, certain_h = _certain_sum(torch.where(probs > 0, probs * logp, 0.0))
     return total, -plogp, certain & certain_h
 
 
@@ -198,6 +219,10 @@ def best_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [m, width] scores, [m, width] int64 token ids
     """The `width` best scores of each row sorted descending, ties by token id (among the
     chosen: the ids of a tie at the last score are any of the tied ones), and their ids."""
+    if width * 64 <= scores.shape[-1]:
+        best = top_candidates(scores, width)  # on a CPU: one pass per row, in this order
+        if best is not None:
+            return best
     if scores.device.type == "cpu" and width * 64 > scores.shape[-1]:
         # torch's top-k sorts the whole row for such widths: select with numpy instead
         raw = scores.numpy()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.kernels.selection import top_candidates
+
 _MASK32 = 0xFFFFFFFF
 _MUL1 = 0x7FEB352D
 _MUL2 = 0x2C1B3C6D
@@ -49,6 +51,10 @@ def key_parts(seed: int, position: int) -> tuple[int, int, int]:
 
 def keys_of(parts: torch.Tensor) -> torch.Tensor:
     """[M, 3] int64 `key_parts` (seed's low and high 32 bits, position) -> [M] int64 keys."""
+    if parts.device.type == "cpu":  # numpy's uint32 arithmetic: the same values, fewer calls
+        lo, hi, pos = parts.numpy().astype(np.uint32).T
+        host = _mix32(_mix32(_mix32(lo ^ np.uint32(_GOLDEN)) ^ hi) ^ pos)
+        return torch.from_numpy(host.astype(np.int64))
     lo, hi, pos = parts.unbind(1)
     key = _mix(lo ^ _GOLDEN)
     key = _mix(key ^ hi)
@@ -115,19 +121,24 @@ GUMBEL_MAX = 17.0
 """Above the largest noise `uniform_at` can give: -log(-log(1 - 2**-24)) = 16.64."""
 
 
+LEADERS = 32
+"""Tokens of a row whose noise `keyed_sample_rows` computes first, to bound what can win."""
+
+
 def keyed_sample_rows(
     scores: torch.Tensor,  # [M, vocab] processed scores, every token a candidate
     keys: torch.Tensor,  # [M] `keys_of` the rows' (seed, position)
 ) -> torch.Tensor:  # [M] int64 token ids
     """`keyed_sample` with `keys`. On a CPU the noise is computed only at the tokens that can
     win: a token scoring s can reach at most s + `GUMBEL_MAX`, and the winner reaches at least
-    the row's best score plus that token's noise."""
+    the largest score plus noise among the row's `LEADERS` best tokens."""
     every = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
     if scores.device.type != "cpu":
         return keyed_sample_at(scores, every, keys)
-    best = scores.argmax(-1, keepdim=True)  # [M, 1]
-    noise = -torch.log(-torch.log(uniform_at(keys, best)))
-    reached = scores.gather(1, best) + noise  # [M, 1]: no winner stays below it
+    leaders = min(LEADERS, scores.shape[-1])
+    values, ids = top_candidates(scores, leaders) or scores.topk(leaders, -1)
+    noise = -torch.log(-torch.log(uniform_at(keys, ids)))
+    reached = (values + noise).amax(-1, keepdim=True)  # [M, 1]: no winner stays below it
     can_win = scores + GUMBEL_MAX >= reached
     if int(can_win.sum()) * 4 > can_win.numel():  # flat rows: the whole rows cost less
         return keyed_sample_at(scores, every, keys)
@@ -136,6 +147,6 @@ def keyed_sample_rows(
     values = scores[rows, cols] + noise  # [N]
     most = torch.full_like(scores[:, 0], -torch.inf).scatter_reduce_(0, rows, values, "amax")
     first = values == most[rows]  # ties: the lowest id, as `argmax` takes the first
-    return torch.zeros_like(best[:, 0]).scatter_reduce_(
+    return torch.zeros_like(ids[:, 0]).scatter_reduce_(
         0, rows[first], cols[first], "amin", include_self=False
     )

@@ -26,10 +26,11 @@ __all__ = ["Choices", "PendingChoices", "Sampler", "TokenLogprobs", "detail_tens
            "details_of", "greedy_choices", "is_plain_greedy", "sample_with_details"]  # fmt: skip
 
 CHUNK_ROWS = 32
-"""Rows a CPU chooses at a time, on the calling thread only (`torch.set_num_threads(1)`
-around it, restored after, as the attention backend does for small work): their
-vocabulary-wide temporaries stay small enough to be reused from the allocator instead of mapped
-afresh, and no operation waits for a pool thread on a busy core."""
+"""Rows a CPU chooses at a time, under one intra-op thread (`torch.set_num_threads(1)` around
+it, restored after, as the attention backend does for small work; `batch_choice.launch` gives
+groups of rows to a second thread): their vocabulary-wide temporaries stay small enough to be
+reused from the allocator instead of mapped afresh, and no operation waits for a pool thread on
+a busy core."""
 
 
 def sample_with_details(
@@ -85,7 +86,7 @@ def _choose(
             launch(logits[rows], params[rows], seeds[rows], positions[rows], past_token_ids[rows],
                     None if num_generated is None else num_generated[rows],
                     None if eos_token_ids is None else eos_token_ids[rows], 0, row_tokens,
-                    None if generated_token_ids is None else generated_token_ids[rows])
+                    None if generated_token_ids is None else generated_token_ids[rows], threads)
             for rows in (slice(i, i + CHUNK_ROWS) for i in starts)
         ]  # fmt: skip
     finally:

@@ -64,7 +64,7 @@ def walked_choices(sampler: Sampler, logits: torch.Tensor, batch: StepBatch) -> 
     level = [i for _, i in batch.sampling] + list(walking)
     while level:
         chosen = sampler.sample(
-            logits[[batch.choice_rows[i] for i in level]],
+            _rows(logits, [batch.choice_rows[i] for i in level]),
             [batch.choice_requests[i] for i in level],
             [batch.choice_emitted[i] for i in level],
         )
@@ -83,6 +83,13 @@ def walked_choices(sampler: Sampler, logits: torch.Tensor, batch: StepBatch) -> 
                 next_level.append(v.first_choice + child)
         level = next_level
     return choices
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`logits[rows]`, a view where the rows are consecutive (a batch without trees)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]
+    return logits[rows]
 
 
 def _read(choices: Choices) -> ChoiceSteps:

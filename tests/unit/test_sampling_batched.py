@@ -86,6 +86,34 @@ def test_batched_rules_equal_the_per_row_rules(seed: int) -> None:
     assert sum(d is not None for d in batched.details) > 25
 
 
+def test_groups_on_a_second_thread_choose_as_the_per_row_rules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With two threads allowed, a CPU batch gives groups of rows to a second thread; the
+    choices are the per-row oracle's."""
+    import engine.sampling.batch_choice as batch_choice
+
+    pool, given = batch_choice._pool(), []
+
+    class Counted:
+        def submit(self, *args):  # type: ignore[no-untyped-def]
+            given.append(args)
+            return pool.submit(*args)
+
+    monkeypatch.setattr(batch_choice, "_pool", Counted)
+    rows, logits = _batch(1)
+    params, seeds, positions, past, generated = (list(c) for c in zip(*rows, strict=True))
+    eos = [EOS] * len(rows)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batched = sample_with_details(logits, params, seeds, positions, past, generated, eos)
+    finally:
+        torch.set_num_threads(threads)
+    assert given
+    assert batched == choices_row_by_row(logits, params, seeds, positions, past, generated, eos)
+
+
 def test_top_k_ties_beyond_the_candidates() -> None:
     """Twenty tokens tie at the 3rd score: all of them are kept, as the per-row top-k keeps
     them (the row is chosen again over the whole vocabulary)."""
