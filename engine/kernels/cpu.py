@@ -67,6 +67,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "row_sums_double": ([_P, _I, _I, _I, _P], None),
     "divide_rows": ([_P, _I, _P, _I, _I, _P, _P], None),
     "plogp_sums_double": ([_P, _P, _I, _I, _P, _P, _P], None),
+    "columns_at_least": ([_P, _I, _I, _I, _P, _P, _P, _I], _I),
     "speculator_draft": (
         [_P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _I, _P, _F, _F, _I, _I] + [_P] * 4,
         ctypes.c_int,
@@ -100,6 +101,7 @@ class CpuKernels:
         self._row_sums_double = lib.row_sums_double
         self._divide_rows = lib.divide_rows
         self._plogp_sums_double = lib.plogp_sums_double
+        self._columns_at_least = lib.columns_at_least
         self.speculator_draft = lib.speculator_draft  # called by FusedNodeDrafting
 
     def rms_norm(
@@ -221,7 +223,7 @@ class CpuKernels:
             raise ValueError(f"k must be in [1, {v}], got {k}")
         values = torch.empty(n, k, dtype=torch.float32)
         ids = torch.empty(n, k, dtype=torch.int64)
-        scratch, kept_ids = torch.empty(2 * v), torch.empty(v, dtype=torch.int64)
+        scratch, kept_ids = torch.empty(3 * v), torch.empty(v, dtype=torch.int64)
         self._top_candidates(
             scores.data_ptr(), scores.stride(0), n, v, k, values.data_ptr(), ids.data_ptr(),
             scratch.data_ptr(), kept_ids.data_ptr(),
@@ -271,6 +273,22 @@ class CpuKernels:
             log_totals.data_ptr(), sums.data_ptr(),
         )  # fmt: skip
         return sums
+
+    def columns_at_least(
+        self, scores: torch.Tensor, thresholds: torch.Tensor, cap: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # [N] int64, [N] int64
+        """The rows and columns of `scores` [M, V] (any row stride) holding at least their
+        row's `thresholds` [M] (float32), in row-major order; None when there are more than
+        `cap`."""
+        n, v = scores.shape
+        thresholds = thresholds.contiguous()
+        rows = torch.empty(cap, dtype=torch.int64)
+        cols = torch.empty(cap, dtype=torch.int64)
+        count = self._columns_at_least(
+            scores.data_ptr(), scores.stride(0), n, v, thresholds.data_ptr(), rows.data_ptr(),
+            cols.data_ptr(), cap,
+        )  # fmt: skip
+        return None if count < 0 else (rows[:count], cols[:count])
 
 
 def cpu_signature() -> str:

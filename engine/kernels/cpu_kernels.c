@@ -96,7 +96,7 @@ int gather_columns(const float *wt, int64_t ldw, int64_t k, int64_t ncols, const
 
 /* For each of n rows of scores [n, v] (row stride ld): its k (1 <= k <= v) largest values in
  * descending order (ties: the lower column first) into values [n, k] and their columns into
- * ids [n, k] (top_select); scratch [2v] and kept_ids [v] are scratch. */
+ * ids [n, k] (top_select); scratch [3v] and kept_ids [v] are scratch. */
 void top_candidates(const float *scores, int64_t ld, int64_t n, int64_t v, int64_t k,
                     float *values, int64_t *ids, float *scratch, int64_t *kept_ids) {
     for (int64_t r = 0; r < n; r++) {
@@ -146,4 +146,37 @@ void plogp_sums_double(const float *shifted, const float *e, int64_t n, int64_t 
         }
         sums[r] = sum;
     }
+}
+
+/* The (row, column) pairs of scores [n, v] (row stride ld) whose value is at least its row's
+ * thresholds[r], in row-major order, into rows [cap] and cols [cap]; returns their number, or
+ * -1 as soon as there are more than cap. */
+int64_t columns_at_least(const float *scores, int64_t ld, int64_t n, int64_t v,
+                         const float *thresholds, int64_t *rows, int64_t *cols, int64_t cap) {
+    int64_t count = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const float *x = scores + r * ld;
+        const float t = thresholds[r];
+        for (int64_t j0 = 0; j0 < v; j0 += TOP_SELECT_BLOCK) {
+            const int64_t j1 = j0 + TOP_SELECT_BLOCK < v ? j0 + TOP_SELECT_BLOCK : v;
+            float m = x[j0];
+#pragma omp simd reduction(max : m)
+            for (int64_t j = j0; j < j1; j++) m = x[j] > m ? x[j] : m;
+            if (!(m >= t)) continue;
+            if (count + (j1 - j0) > cap) { /* room for the whole block, else count exactly */
+                for (int64_t j = j0; j < j1; j++) {
+                    if (!(x[j] >= t)) continue;
+                    if (count == cap) return -1;
+                    rows[count] = r, cols[count++] = j;
+                }
+                continue;
+            }
+            for (int64_t j = j0; j < j1; j++) { /* no branch: written always, kept or not */
+                rows[count] = r;
+                cols[count] = j;
+                count += x[j] >= t;
+            }
+        }
+    }
+    return count;
 }

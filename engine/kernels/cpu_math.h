@@ -122,9 +122,40 @@ static inline void top_heap(const float *values, const int64_t *index, int64_t n
     }
 }
 
+/* The k-th largest (1 <= k <= n) of a [n] (no NaN), which it reorders: quickselect. */
+static inline float kth_largest(float *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    const int64_t target = k - 1;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        float p0 = a[lo], p1 = a[mid], p2 = a[hi], t; /* the median of three as the pivot */
+        if (p0 < p1) t = p0, p0 = p1, p1 = t;
+        if (p1 < p2) t = p1, p1 = p2, p2 = t;
+        if (p0 < p1) t = p0, p0 = p1, p1 = t;
+        const float pivot = p1;
+        int64_t i = lo, j = hi;
+        while (i <= j) { /* descending: [lo, i) >= pivot, (j, hi] <= pivot */
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                t = a[i], a[i] = a[j], a[j] = t;
+                i++, j--;
+            }
+        }
+        if (target <= j) {
+            hi = j;
+        } else if (target >= i) {
+            lo = i;
+        } else {
+            break; /* between j and i: equal to the pivot */
+        }
+    }
+    return a[target];
+}
+
 /* The k (1 <= k <= v) largest values of x [v] in descending order (ties: the lower index
  * first) into best [k], their indices into ids [k]; a row holding NaN gets some k of its
- * entries. `scratch` [2v] and `kept_ids` [v] are scratch.
+ * entries. `scratch` [3v] and `kept_ids` [v] are scratch.
  *
  * The k-th largest of the maxima of blocks of x bounds the k-th largest value from below (k
  * blocks hold a value at least as large), so only the values at or above it are kept (in index
@@ -134,7 +165,7 @@ static inline void top_select(const float *x, int64_t v, int64_t k, float *best,
     int64_t size = v / (3 * k);
     size = size < 1 ? 1 : size > 64 ? 64 : size;
     const int64_t num_blocks = v / size; /* a partial last block is left out: still a bound */
-    float *maxima = scratch, *kept = scratch + v;
+    float *maxima = scratch, *selected = scratch + v, *kept = scratch + 2 * v;
     float bound = -INFINITY;
     if (num_blocks >= k) {
         for (int64_t b = 0; b < num_blocks; b++) {
@@ -143,24 +174,36 @@ static inline void top_select(const float *x, int64_t v, int64_t k, float *best,
 #pragma omp simd reduction(max : m)
             for (int64_t j = 1; j < size; j++) m = block[j] > m ? block[j] : m;
             maxima[b] = m;
+            selected[b] = m == m ? m : -INFINITY; /* NaN: no bound from this block */
         }
-        top_heap(maxima, NULL, num_blocks, k, best, ids);
-        bound = best[k - 1];
+        bound = kth_largest(selected, num_blocks, k);
     }
     int64_t n = 0;
     for (int64_t b = 0; b * size < v; b++) {
         if (b < num_blocks && maxima[b] < bound) continue;
         const int64_t j1 = (b + 1) * size < v && b + 1 < num_blocks ? (b + 1) * size : v;
-        for (int64_t j = b * size; j < j1; j++) {
-            if (x[j] >= bound) kept[n] = x[j], kept_ids[n++] = j;
+        for (int64_t j = b * size; j < j1; j++) { /* no branch: written always, kept or not */
+            kept[n] = x[j];
+            kept_ids[n] = j;
+            n += x[j] >= bound;
         }
         if (b + 1 >= num_blocks) break;
     }
-    if (n >= k) {
-        top_heap(kept, kept_ids, n, k, best, ids);
-    } else { /* NaN in the bound */
+    if (n < k) { /* NaN in the row */
         top_heap(x, NULL, v, k, best, ids);
+        return;
     }
+    /* the kept values above the k-th largest, then those equal to it in index order */
+    for (int64_t j = 0; j < n; j++) selected[j] = kept[j];
+    const float kth = kth_largest(selected, n, k);
+    int64_t m = 0;
+    for (int64_t j = 0; j < n && m < k; j++) {
+        if (kept[j] > kth) best[m] = kept[j], ids[m++] = kept_ids[j];
+    }
+    for (int64_t j = 0; j < n && m < k; j++) {
+        if (kept[j] == kth) best[m] = kept[j], ids[m++] = kept_ids[j];
+    }
+    top_heap(best, ids, k, k, best, ids);
 }
 
 #endif

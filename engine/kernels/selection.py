@@ -1,6 +1,7 @@
 """The sampler's whole-vocabulary passes on a CPU in C (`cpu_kernels.c`): rows divided by
 their temperatures (`divide_rows`), each row's best `k` scores (`top_candidates`) and float64
-row sums (`row_sums_double`, `plogp_sums_double`). Each returns None where the kernels are not
+row sums (`row_sums_double`, `plogp_sums_double`); and where rows reach a threshold
+(`columns_at_least`). Each returns None where the kernels are not
 built or a tensor is not float32 on a CPU with contiguous rows; the caller then uses ATen ops."""
 
 from __future__ import annotations
@@ -52,3 +53,14 @@ def plogp_sums_double(
     if kernels is None or not (_usable(shifted) and _usable(e)):
         return None
     return kernels.plogp_sums_double(shifted, e, totals)
+
+
+def columns_at_least(
+    scores: torch.Tensor, thresholds: torch.Tensor, cap: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """[M, V], [M] float32 -> (rows, columns) [N] int64 of the entries at least their row's
+    threshold, row-major (`nonzero`'s order); None when more than `cap` (or no kernels)."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not _usable(scores) or thresholds.dtype != torch.float32:
+        return None
+    return kernels.columns_at_least(scores, thresholds, cap)

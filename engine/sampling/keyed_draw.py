@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.kernels.selection import top_candidates
+from engine.kernels.selection import columns_at_least, top_candidates
 
 _MASK32 = 0xFFFFFFFF
 _MUL1 = 0x7FEB352D
@@ -139,10 +139,15 @@ def keyed_sample_rows(
     values, ids = top_candidates(scores, leaders) or scores.topk(leaders, -1)
     noise = -torch.log(-torch.log(uniform_at(keys, ids)))
     reached = (values + noise).amax(-1, keepdim=True)  # [M, 1]: no winner stays below it
-    can_win = scores + GUMBEL_MAX >= reached
-    if int(can_win.sum()) * 4 > can_win.numel():  # flat rows: the whole rows cost less
+    # below reached - 16.64 no token can win; the float32 threshold is within 0.125 of
+    # reached - 17 where |reached| < 2**20, else -inf (every token)
+    threshold = (reached[:, 0].double() - GUMBEL_MAX).float()
+    threshold = torch.where(threshold.abs() < 2.0**20, threshold, -torch.inf)
+    # flat rows, where more than a quarter of the tokens can win: the whole rows cost less
+    found = columns_at_least(scores, threshold, scores.numel() // 4)
+    if found is None:
         return keyed_sample_at(scores, every, keys)
-    rows, cols = can_win.nonzero(as_tuple=True)  # row-major order
+    rows, cols = found  # row-major order
     noise = -torch.log(-torch.log(uniform_at(keys[rows], cols[:, None])))[:, 0]
     values = scores[rows, cols] + noise  # [N]
     most = torch.full_like(scores[:, 0], -torch.inf).scatter_reduce_(0, rows, values, "amax")

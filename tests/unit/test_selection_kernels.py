@@ -88,3 +88,16 @@ def test_float64_sums_are_within_the_bound_of_any_order(kind: str) -> None:
     terms = torch.where(probs > 0, probs * logp, 0.0)  # the float32 terms torch computes
     expected = terms.double().sum(-1, keepdim=True)
     assert bool(((plogp - expected).abs() <= bound * expected.abs()).all())
+
+
+@pytest.mark.parametrize("kind", ["flat", "peaked", "masked"])
+def test_columns_at_least_are_nonzero_of_the_comparison(kind: str) -> None:
+    scores = rows_of(kind, 4, 5000 + 3, seed=4)[:, :5000]
+    thresholds = scores.amax(-1) - torch.tensor([1.0, 3.0, 6.0, float("inf")])
+    expected = (scores >= thresholds[:, None]).nonzero(as_tuple=True)
+    found = selection.columns_at_least(scores, thresholds, scores.numel())
+    assert found is not None
+    assert torch.equal(found[0], expected[0]) and torch.equal(found[1], expected[1])
+    count = expected[0].numel()
+    assert selection.columns_at_least(scores, thresholds, count) is not None
+    assert selection.columns_at_least(scores, thresholds, count - 1) is None
