@@ -6,7 +6,7 @@ the rows whose candidates could not decide their rules)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -93,6 +93,21 @@ def launch(
         logits = apply_eos_rules(logits.clone(), step)
     if generated_token_ids is not None:
         logits = apply_additive_penalties(logits, params, generated_token_ids)
+    # top-k rows pick their own width; the whole-vocabulary rows have none
+    top_p, typical_p = (tries[min(wide, 1)] for tries in CANDIDATE_WIDTHS)
+    widths = (vocab, top_p, typical_p, None)
+    work = [
+        (kind, rows, index)
+        for kind, (rows, index) in enumerate(zip(groups, step.groups, strict=True))
+        if rows
+    ]
+    theirs: dict[int, Future[_Group]] = {}
+    if threads > 1 and not row_tokens and len(work) > 1 and num_rows >= 8:
+        # the groups' vocabulary-wide operations release the GIL: two cores share them
+        pool = _pool()
+        for n in _halves([_GROUP_COST[kind] * len(rows) for kind, rows, _ in work]):
+            theirs[n] = pool.submit(_alone, _choose_group, logits, params, step, *work[n],
+                                    widths, None)  # fmt: skip
     parts: list[torch.Tensor] = []
     if logits.device.type == "cpu":  # numpy's argmax: no wake-up of the intra-op thread pool
         raw = logits.numpy()
@@ -105,28 +120,14 @@ def launch(
         parts += [index_t.double(), (values_t.isnan() | values_t.isposinf()).double()]
         head = []
         tokens_d = index_t.clone() if row_tokens else None
+    mine = {
+        n: _choose_group(logits, params, step, *w, widths, tokens_d)
+        for n, w in enumerate(work)
+        if n not in theirs
+    }
     reads: list[tuple[list[int], int, bool]] = []  # rows, detail width, sampled
-    # top-k rows pick their own width; the whole-vocabulary rows have none
-    widths = (vocab, CANDIDATE_WIDTHS[min(wide, 1)], CANDIDATE_WIDTHS[min(wide, 1)], None)
-    work = [
-        (kind, rows, index)
-        for kind, (rows, index) in enumerate(zip(groups, step.groups, strict=True))
-        if rows
-    ]
-
-    def choose(kind: int, rows: list[int], index: torch.Tensor) -> _Group:
-        return _choose_group(logits, params, step, kind, rows, index, widths, tokens_d)
-
-    if threads > 1 and tokens_d is None and len(work) > 1 and num_rows >= 8:
-        # the groups' vocabulary-wide operations release the GIL: two cores share them
-        given = _halves([_GROUP_COST[kind] * len(rows) for kind, rows, _ in work])
-        pool = _pool()
-        theirs = {n: pool.submit(_alone, choose, *work[n]) for n in given}
-        mine = {n: choose(*w) for n, w in enumerate(work) if n not in given}
-        done = [mine[n] if n in mine else theirs[n].result() for n in range(len(work))]
-    else:
-        done = [choose(*w) for w in work]
-    for group_parts, read in done:
+    for n in range(len(work)):
+        group_parts, read = mine[n] if n in mine else theirs[n].result()
         parts += group_parts
         reads.append(read)
     return Launched(head, parts, reads, logits, wide, tokens_d)
@@ -203,7 +204,7 @@ def _halves(costs: list[float]) -> set[int]:
     return given
 
 
-def _alone(choose: Callable[[int, list[int], torch.Tensor], _Group], *args: Any) -> _Group:
+def _alone(choose: Callable[..., _Group], *args: Any) -> _Group:
     """`choose(*args)` on a pool thread, under one intra-op thread as its caller is."""
     torch.set_num_threads(1)
     return choose(*args)

@@ -36,9 +36,10 @@ from engine.sampling.logits_processor import (
 )
 from engine.sampling.params import SamplingParams
 
-CANDIDATE_WIDTHS = (256, 4096)
-"""Candidates of a row with top-p or typical-p and no top-k, first and second try: a row they
-do not decide (`Candidates.overflow`) tries the next, then the whole vocabulary."""
+CANDIDATE_WIDTHS = ((256, 4096), (512, 4096))
+"""Candidates of a row with no top-k, first and second try, with top-p and with typical-p alone
+(whose typical set reaches further down a flat row than a nucleus): a row they do not decide
+(`Candidates.overflow`) tries the next, then the whole vocabulary."""
 
 TIE_MARGIN = 8
 """Candidates beyond the largest top-k: a row whose last candidate still ties its k-th score
