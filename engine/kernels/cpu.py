@@ -1,9 +1,9 @@
-"""ctypes bindings of the fused float32 CPU kernels: the decoder's glue and the sampler's
-vocabulary-wide passes (`cpu_kernels.c`),
+"""ctypes bindings of the fused float32 CPU kernels: the decoder's glue (`cpu_kernels.c`),
 attention over the paged KV cache (`attention.c`) and the MLP speculator's drafting
-(`drafting.c`), one library; the build of every C kernel (`load_library`;
-`engine.kernels.rows` binds `rows_gemm.c` with it); and the CPU's feature flags (`cpu_flags`),
-which say whether bfloat16 products run in hardware (`native_bf16`).
+(`drafting.c`), one library (whose sampler passes `engine.kernels.selection` binds); the build
+of every C kernel (`load_library`; `engine.kernels.rows` binds `rows_gemm.c` with it); and the
+CPU's feature flags (`cpu_flags`), which say whether bfloat16 products run in hardware
+(`native_bf16`).
 
 Each library is compiled on first use with the system C compiler (`$CC`, else `cc`) for this
 CPU (`-march=native`) into `$SPECSERVE_HOME/kernels/`, keyed by its sources and headers, the
@@ -63,11 +63,6 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     ),
     "speculator_stage": ([_P, _I, _P, _I, _I, _P, _F, _P, _P, _F, _P, _I], None),
     "log_softmax_topk": ([_P, _I, _I, _I, _P, _P, _P], None),
-    "top_candidates": ([_P, _I, _I, _I, _I, _P, _P, _P, _P], None),
-    "row_sums_double": ([_P, _I, _I, _I, _P], None),
-    "divide_rows": ([_P, _I, _P, _I, _I, _P, _P], None),
-    "plogp_sums_double": ([_P, _P, _I, _I, _P, _P, _P], None),
-    "columns_at_least": ([_P, _I, _I, _I, _P, _P, _P, _I], _I),
     "speculator_draft": (
         [_P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _I, _P, _F, _F, _I, _I] + [_P] * 4,
         ctypes.c_int,
@@ -97,11 +92,6 @@ class CpuKernels:
         self.store_and_attend = lib.store_and_attend  # called by CpuAttentionBackend
         self._speculator_stage = lib.speculator_stage
         self._log_softmax_topk = lib.log_softmax_topk
-        self._top_candidates = lib.top_candidates
-        self._row_sums_double = lib.row_sums_double
-        self._divide_rows = lib.divide_rows
-        self._plogp_sums_double = lib.plogp_sums_double
-        self._columns_at_least = lib.columns_at_least
         self.speculator_draft = lib.speculator_draft  # called by FusedNodeDrafting
 
     def rms_norm(
@@ -212,83 +202,6 @@ class CpuKernels:
             top.data_ptr(), ids.data_ptr(),
         )  # fmt: skip
         return top, ids
-
-    def top_candidates(
-        self, scores: torch.Tensor, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [N, k] float32, [N, k] int64
-        """The k (1 <= k <= V) largest scores of each row of `scores` [N, V] (any row stride)
-        in descending order (ties: the lower column first), and their columns."""
-        n, v = scores.shape
-        if not 1 <= k <= v:
-            raise ValueError(f"k must be in [1, {v}], got {k}")
-        values = torch.empty(n, k, dtype=torch.float32)
-        ids = torch.empty(n, k, dtype=torch.int64)
-        scratch, kept_ids = torch.empty(3 * v), torch.empty(v, dtype=torch.int64)
-        self._top_candidates(
-            scores.data_ptr(), scores.stride(0), n, v, k, values.data_ptr(), ids.data_ptr(),
-            scratch.data_ptr(), kept_ids.data_ptr(),
-        )  # fmt: skip
-        return values, ids
-
-    def row_sums_double(self, x: torch.Tensor) -> torch.Tensor:  # [N, 1] float64
-        """The sum of each row of x [N, V] (any row stride) in float64, its terms added in
-        an order of the kernel's own."""
-        n, v = x.shape
-        sums = torch.empty(n, 1, dtype=torch.float64)
-        self._row_sums_double(x.data_ptr(), x.stride(0), n, v, sums.data_ptr())
-        return sums
-
-    def divide_rows(
-        self, x: torch.Tensor, rows: torch.Tensor | None, divisors: torch.Tensor
-    ) -> torch.Tensor:  # [R, V]
-        """x[rows] / divisors[:, None] in one pass (x [M, V] any row stride, rows [R] int64
-        each < M or None for every row, divisors [R] float32): a new contiguous tensor, each
-        quotient IEEE float32 division's."""
-        n = x.shape[0] if rows is None else rows.shape[0]
-        v = x.shape[1]
-        if rows is not None:
-            rows = rows.contiguous()
-            if n and not (int(rows.min()) >= 0 and int(rows.max()) < x.shape[0]):
-                raise IndexError(f"divide_rows: a row is outside [0, {x.shape[0]})")
-        divisors = divisors.contiguous()
-        out = torch.empty(n, v, dtype=torch.float32)
-        self._divide_rows(
-            x.data_ptr(), x.stride(0), 0 if rows is None else rows.data_ptr(), n, v,
-            divisors.data_ptr(), out.data_ptr(),
-        )  # fmt: skip
-        return out
-
-    def plogp_sums_double(
-        self, shifted: torch.Tensor, e: torch.Tensor, totals: torch.Tensor
-    ) -> torch.Tensor:  # [N, 1] float64
-        """The float64 sum over each row of `torch.where(p > 0, p * logp, 0)` with
-        p = e / totals, logp = shifted - totals.log() (shifted, e [N, V] contiguous float32,
-        totals [N, 1] float32), its terms added in an order of the kernel's own."""
-        n, v = shifted.shape
-        totals = totals.contiguous()
-        log_totals = totals.log()
-        sums = torch.empty(n, 1, dtype=torch.float64)
-        self._plogp_sums_double(
-            shifted.contiguous().data_ptr(), e.contiguous().data_ptr(), n, v, totals.data_ptr(),
-            log_totals.data_ptr(), sums.data_ptr(),
-        )  # fmt: skip
-        return sums
-
-    def columns_at_least(
-        self, scores: torch.Tensor, thresholds: torch.Tensor, cap: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # [N] int64, [N] int64
-        """The rows and columns of `scores` [M, V] (any row stride) holding at least their
-        row's `thresholds` [M] (float32), in row-major order; None when there are more than
-        `cap`."""
-        n, v = scores.shape
-        thresholds = thresholds.contiguous()
-        rows = torch.empty(cap, dtype=torch.int64)
-        cols = torch.empty(cap, dtype=torch.int64)
-        count = self._columns_at_least(
-            scores.data_ptr(), scores.stride(0), n, v, thresholds.data_ptr(), rows.data_ptr(),
-            cols.data_ptr(), cap,
-        )  # fmt: skip
-        return None if count < 0 else (rows[:count], cols[:count])
 
 
 def cpu_signature() -> str:
