@@ -158,16 +158,18 @@ static inline float kth_largest(float *a, int64_t n, int64_t k) {
  * entries. `scratch` [3v] and `kept_ids` [v] are scratch.
  *
  * The k-th largest of the maxima of blocks of x bounds the k-th largest value from below (k
- * blocks hold a value at least as large), so only the values at or above it are kept (in index
- * order) for a heap of the best k; blocks are sized to give about 3k maxima. */
+ * blocks hold a value at least as large), so only the values at or above it are kept, in index
+ * order; blocks are sized to give about 3k maxima. Of those, the values above their k-th largest
+ * and then the ones equal to it, in index order, are the k best, sorted last. */
 static inline void top_select(const float *x, int64_t v, int64_t k, float *best, int64_t *ids,
                               float *scratch, int64_t *kept_ids) {
     int64_t size = v / (3 * k);
     size = size < 1 ? 1 : size > 64 ? 64 : size;
     const int64_t num_blocks = v / size; /* a partial last block is left out: still a bound */
     float *maxima = scratch, *selected = scratch + v, *kept = scratch + 2 * v;
+    const int bounded = num_blocks >= k; /* else every value is kept */
     float bound = -INFINITY;
-    if (num_blocks >= k) {
+    if (bounded) {
         for (int64_t b = 0; b < num_blocks; b++) {
             const float *block = x + b * size;
             float m = block[0];
@@ -180,7 +182,7 @@ static inline void top_select(const float *x, int64_t v, int64_t k, float *best,
     }
     int64_t n = 0;
     for (int64_t b = 0; b * size < v; b++) {
-        if (b < num_blocks && maxima[b] < bound) continue;
+        if (bounded && b < num_blocks && maxima[b] < bound) continue;
         const int64_t j1 = (b + 1) * size < v && b + 1 < num_blocks ? (b + 1) * size : v;
         for (int64_t j = b * size; j < j1; j++) { /* no branch: written always, kept or not */
             kept[n] = x[j];
