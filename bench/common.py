@@ -54,22 +54,27 @@ def interleaved_min(fns: dict[str, Callable[[], object]], repeats: int) -> dict[
 
 
 def matmul_floor(llm: LLM, batch: int) -> Callable[[], None]:
-    """One decode step's linear layers alone, in model order, with the kernels the engine
-    chose, on `batch` rows, each called as the model calls it (`forward`, no module hooks)."""
-    linears = llm.runner.model.linears()
+    """One greedy decode step's linear layers alone, in model order, with the kernels the
+    engine chose, on `batch` rows, each called as the model calls it (`forward`, no module
+    hooks; the LM head through `compute_logits` for argmax-only rows, so its screen where the
+    engine has one)."""
+    model = llm.runner.model
+    linears = [lin for lin in model.linears() if lin is not model.lm_head]
     inputs = [torch.randn(batch, lin.in_features) for lin in linears]
+    hidden = torch.randn(batch, model.config.hidden_size)
 
     def step() -> None:
         for lin, x in zip(linears, inputs, strict=True):
             lin.forward(x)
+        model.compute_logits(hidden, argmax_only=True)
 
     return step
 
 
 @contextmanager
 def engine_step(llm: LLM, prompts: list[list[int]]) -> Iterator[Callable[[], object]]:
-    """One decode forward pass (runner.execute) over len(prompts) sequences whose prompts are
-    in the cache; the sequences are freed on exit."""
+    """One greedy decode forward pass (runner.execute, rows read for their argmax only) over
+    len(prompts) sequences whose prompts are in the cache; the sequences are freed on exit."""
     from engine.model_runner import SequenceInput
 
     kv, runner = llm.kv, llm.runner
@@ -79,7 +84,7 @@ def engine_step(llm: LLM, prompts: list[list[int]]) -> Iterator[Callable[[], obj
         prefill = [SequenceInput(p, 0, kv.block_table(("bench", i))) for i, p in enumerate(prompts)]
         runner.execute(prefill)
         decode = [
-            SequenceInput([p[-1]], len(p), kv.block_table(("bench", i)))
+            SequenceInput([p[-1]], len(p), kv.block_table(("bench", i)), argmax_only=True)
             for i, p in enumerate(prompts)
         ]
         yield lambda: runner.execute(decode)

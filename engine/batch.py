@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import SequenceInput
 from engine.request import Request
+from engine.sampling.greedy_choice import reads_argmax_only
 from engine.sampling.prompt_logprobs import PromptLogprobs
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode.verifier import Verification
@@ -39,13 +40,20 @@ class StepBatch:
 
 
 def build_batch(
-    sched: SchedulerOutput, kv: KVCacheManager, prompt_logprobs: PromptLogprobs
+    sched: SchedulerOutput,
+    kv: KVCacheManager,
+    prompt_logprobs: PromptLogprobs,
+    rows_read_whole: bool = False,
 ) -> StepBatch:
     """One `SequenceInput` per scheduled request: its root token and drafts (a tree to
     verify), or a chunk of known tokens whose last row is sampled when it reaches the
-    request's last known token, plus the rows prompt logprobs need."""
+    request's last known token, plus the rows prompt logprobs need. A sequence is
+    `argmax_only` when its request's rows are read only for their argmax
+    (`reads_argmax_only`), it has no prompt logprobs rows, and not `rows_read_whole` (the
+    caller reads every row whole, e.g. to show observers)."""
     batch = StepBatch()
     for req in sched.scheduled_requests:
+        argmax_only = not rows_read_whole and reads_argmax_only(req)
         n = sched.num_scheduled_tokens[req.request_id]
         start = req.num_computed_tokens
         block_table = kv.block_table(req.request_id)
@@ -64,6 +72,7 @@ def build_batch(
                     positions=[start + d for d in tree.depths],
                     tree_mask=tree.attention_mask(),
                     logits_indices=list(range(n)),
+                    argmax_only=argmax_only,
                 )
             )
             continue
@@ -71,6 +80,7 @@ def build_batch(
         if indices:
             positions = [start + j + 1 for j in indices]
             batch.prompt_rows.append((req, batch.num_rows, positions))
+            argmax_only = False
         if start + n >= req.num_tokens:
             indices.append(n - 1)
             row = batch.num_rows + len(indices) - 1
@@ -86,6 +96,7 @@ def build_batch(
                 block_table=block_table,
                 logits_indices=indices,
                 prefix_embeds=prefix_embeds,
+                argmax_only=argmax_only,
             )
         )
     return batch

@@ -289,7 +289,8 @@ class LLMEngine:
         """Run the model, then choose each completing request's tokens: one from its last row,
         or a walk down its draft tree. Fills `hidden_states` with the state each request's last
         chosen token came from."""
-        batch = build_batch(sched, self.kv, self.prompt_logprobs)
+        whole = bool(self.observers)
+        batch = build_batch(sched, self.kv, self.prompt_logprobs, rows_read_whole=whole)
         out = self.runner.execute(batch.inputs)
         results = _Results()
         for req, row, positions in batch.prompt_rows:

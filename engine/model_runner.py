@@ -45,7 +45,10 @@ class SequenceInput:
     `positions` when given (draft trees: depth-based), else consecutive from
     `num_computed_tokens`. `logits_indices` picks which new tokens get logits and hidden states
     (default: the last one). `prefix_embeds` (prompt tuning) replace the embeddings of the first
-    `len(prefix_embeds)` tokens, in the space of transformers' `inputs_embeds`.
+    `len(prefix_embeds)` tokens, in the space of transformers' `inputs_embeds`. `argmax_only`:
+    the caller reads nothing but the argmax of this sequence's logits rows; when every sequence
+    of a step says so, the rows may hold -inf away from the columns that can be the argmax
+    (`LlamaModel.compute_logits`).
     """
 
     token_ids: list[int]
@@ -55,6 +58,7 @@ class SequenceInput:
     tree_mask: torch.Tensor | None = None  # [len(token_ids), len(token_ids)] bool
     logits_indices: list[int] | None = None
     prefix_embeds: torch.Tensor | None = None  # [K <= len(token_ids), hidden], model dtype
+    argmax_only: bool = False
 
 
 @dataclass
@@ -126,6 +130,7 @@ class ModelRunner:
             if isinstance(module, QuantLinear):
                 module.build_kernel()
         if self.device.type == "cpu":
+            self.model.build_screen()
             self.kernel_table = choose_kernels(self.model.linears(), config.kernel_plan)
             logger.info(
                 "linear kernels by [in, out] and rows: %s",
@@ -374,5 +379,6 @@ class ModelRunner:
         hidden = self.model(ids_d, positions_d, self.kv_caches, metadata, inputs_embeds)
         if not all_rows:
             hidden = hidden.index_select(0, rows_d)
-        logits = self.model.compute_logits(hidden).float()
+        argmax_only = all(s.argmax_only for s in seqs)
+        logits = self.model.compute_logits(hidden, argmax_only).float()
         return ModelOutput(logits=logits, hidden_states=hidden, num_rows=num_rows)

@@ -180,3 +180,87 @@ int64_t columns_at_least(const float *scores, int64_t ld, int64_t n, int64_t v,
     }
     return count;
 }
+
+#define SCREEN_SLACK 1.001 /* on the bounds, for their own float rounding */
+#define SCREEN_U 5.9604644775390625e-08 /* float32's unit roundoff, 2^-24 */
+
+/* The argmax-preserving rows of a float32 head from an int8 screen of it (engine/layers/
+ * head_screen.py states the bound). For each of m rows of x [m, k] (contiguous), approx [m, v]
+ * its screen's scores, within bound_j = sum_t c_t basis[t][j] of the exact x . w_j, where basis
+ * [k / group + 2, v] holds per column j its int8 row's L1 norm over each activation group of
+ * `group` columns, then ||w_j - w^_j||_2, then ||w^_j||_2, and c = (h_g = max |x_g| / 254 for each
+ * group g; ||x||_2 + r; 2 r), r = 4 (k + 2) u (||x||_2 + sqrt(group sum_g h_g^2)) (times
+ * SCREEN_SLACK). Writes out [m, v]: -inf except at the columns j with approx_j + bound_j >= max_i
+ * (approx_i - bound_i) (compared in double), which get x . w_j summed in float32 from W^T [k, v]
+ * (row stride ldw). Returns 0, or -1 (out partly written) when a row of x is not finite or has
+ * more than cap such columns. cols [cap] and bound [v] are scratch. */
+int64_t head_screen(const float *x, int64_t m, int64_t k, int64_t group, const float *approx,
+                    int64_t v, const float *basis, const float *wt, int64_t ldw, int64_t cap,
+                    int64_t *cols, float *bound, float *out) {
+    const int64_t groups = k / group, terms = groups + 2;
+    float coef[terms];
+    float acc[cap];
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * k, *a = approx + r * v;
+        double norm2 = 0.0, h2 = 0.0;
+        for (int64_t g = 0; g < groups; g++) {
+            float top = 0.0f;
+            for (int64_t i = g * group; i < (g + 1) * group; i++) {
+                if (!isfinite(xr[i])) return -1;
+                const float ax = fabsf(xr[i]);
+                top = ax > top ? ax : top;
+                norm2 += (double)xr[i] * xr[i];
+            }
+            const double h = (double)top / 254.0;
+            h2 += h * h;
+            coef[g] = (float)(h * SCREEN_SLACK);
+        }
+        const double norm = sqrt(norm2), act = sqrt(h2 * (double)group);
+        const double rounding = 4.0 * (double)(k + 2) * SCREEN_U * (norm + act);
+        coef[groups] = (float)((norm + rounding) * SCREEN_SLACK);
+        coef[groups + 1] = (float)(2.0 * rounding * SCREEN_SLACK);
+#pragma omp simd
+        for (int64_t j = 0; j < v; j++) bound[j] = coef[0] * basis[j];
+        for (int64_t t = 1; t < terms; t++) {
+            const float c = coef[t], *b = basis + t * v;
+#pragma omp simd
+            for (int64_t j = 0; j < v; j++) bound[j] += c * b[j];
+        }
+        double lo = -INFINITY;
+#pragma omp simd reduction(max : lo)
+        for (int64_t j = 0; j < v; j++) {
+            const double low = (double)a[j] - (double)bound[j];
+            lo = low > lo ? low : lo;
+        }
+        int64_t count = 0;
+        for (int64_t j0 = 0; j0 < v; j0 += TOP_SELECT_BLOCK) {
+            const int64_t j1 = j0 + TOP_SELECT_BLOCK < v ? j0 + TOP_SELECT_BLOCK : v;
+            double hi = -INFINITY;
+#pragma omp simd reduction(max : hi)
+            for (int64_t j = j0; j < j1; j++) {
+                const double high = (double)a[j] + (double)bound[j];
+                hi = high > hi ? high : hi;
+            }
+            if (hi < lo) continue;
+            for (int64_t j = j0; j < j1; j++) {
+                if ((double)a[j] + (double)bound[j] < lo) continue;
+                if (count == cap) return -1;
+                cols[count++] = j;
+            }
+        }
+        for (int64_t c = 0; c < count; c++) acc[c] = 0.0f;
+        for (int64_t i = 0; i < k; i++) {
+            const float *row = wt + i * ldw, xi = xr[i];
+            if (i + GATHER_AHEAD < k) {
+                const float *ahead = row + GATHER_AHEAD * ldw;
+                for (int64_t c = 0; c < count; c++) __builtin_prefetch(ahead + cols[c]);
+            }
+            for (int64_t c = 0; c < count; c++) acc[c] += xi * row[cols[c]];
+        }
+        float *o = out + r * v;
+#pragma omp simd
+        for (int64_t j = 0; j < v; j++) o[j] = -INFINITY;
+        for (int64_t c = 0; c < count; c++) o[cols[c]] = acc[c];
+    }
+    return 0;
+}

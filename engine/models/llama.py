@@ -35,6 +35,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache
 from engine.kernels.buffers import DecoderBuffers
 from engine.kernels.cpu import CpuKernels
+from engine.layers.head_screen import HeadScreen
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.quant_linear import QuantLinear
@@ -98,6 +99,7 @@ class LlamaModel(nn.Module):
         )  # fmt: skip
         self.layers = nn.ModuleList(DecoderLayer(parts) for _ in range(config.num_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype, device, kernels)
+        self.screen: HeadScreen | None = None  # `build_screen`
         tied_scale = config.embedding_multiplier * config.logits_scaling
         # What `embed` multiplies the tied table's rows by; None: nothing (untied, or neutral).
         self.embed_scale = tied_scale if self.tied and tied_scale != 1 else None
@@ -148,9 +150,23 @@ class LlamaModel(nn.Module):
             x, residual = layer.forward(x, residual, rope, kv_cache, attn_metadata)
         return self.norm.forward(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def build_screen(self) -> None:
+        """Make `screen`, an int8 screen of the LM head for argmax-only rows (`HeadScreen`),
+        where it applies: a float32 head on CPU with the fused kernels, one rank. Called once
+        the weights are loaded."""
+        head, one_rank = self.lm_head, self.shard.size == 1
+        if isinstance(head, Linear) and one_rank and head.out_features == self.config.vocab_size:
+            self.screen = HeadScreen.build(head, self.kernels)
+
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         """[M, hidden] final-norm states -> [M, vocab] logits (divided by logits_scaling); with
-        several ranks, on rank 0 (the others get their [M, vocab_rows] share)."""
+        several ranks, on rank 0 (the others get their [M, vocab_rows] share). `argmax_only`:
+        the caller reads nothing but each row's argmax (first index on ties), so the rows may
+        come from `screen`: exact at the columns that may hold the maximum, -inf elsewhere."""
+        if argmax_only and self.screen is not None:
+            screened = self.screen.logits(hidden)
+            if screened is not None:
+                return screened
         logits = self.lm_head.forward(hidden)
         pad = self.layout.vocab_rows - logits.shape[1]  # a quantized head holds no pad rows
         if pad:

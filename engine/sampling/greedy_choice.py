@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from engine.host_copy import to_device
+from engine.request import Request
 from engine.sampling.choices import Choices, ChoiceSteps, read_choices
 from engine.sampling.params import SamplingParams
 
@@ -24,6 +25,21 @@ def is_plain_greedy(params: SamplingParams) -> bool:
         and not params.logprobs
         and not params.has_additive_rules
     )
+
+
+def masked_eos(request: Request, num_emitted: int) -> frozenset[int]:
+    """The EOS ids `process_eos` scores -inf in a row of `request` chosen after `num_emitted`
+    tokens of its step: all of them before `min_new_tokens` (unless `ignore_eos`), else none."""
+    params = request.sampling_params
+    if request.num_output_tokens + num_emitted < params.min_new_tokens and not params.ignore_eos:
+        return request.eos_token_ids
+    return frozenset()
+
+
+def reads_argmax_only(request: Request) -> bool:
+    """Whether every logits row of `request` this step is read only for its argmax: a plain
+    greedy request (`is_plain_greedy`) with no EOS masked (`masked_eos`)."""
+    return is_plain_greedy(request.sampling_params) and not masked_eos(request, 0)
 
 
 def greedy_choices(

@@ -19,7 +19,12 @@ from engine.sampling.choices import (
     details_of,
     read_choices,
 )
-from engine.sampling.greedy_choice import greedy_choice_steps, greedy_choices, is_plain_greedy
+from engine.sampling.greedy_choice import (
+    greedy_choice_steps,
+    greedy_choices,
+    is_plain_greedy,
+    masked_eos,
+)
 from engine.sampling.params import SamplingParams
 
 __all__ = ["Choices", "PendingChoices", "Sampler", "TokenLogprobs", "detail_tensor",
@@ -151,12 +156,7 @@ class Sampler:
         if all(map(is_plain_greedy, params)):
             return greedy_choice_steps(
                 logits,
-                [
-                    r.eos_token_ids
-                    if r.num_output_tokens + len(e) < p.min_new_tokens and not p.ignore_eos
-                    else frozenset()
-                    for r, p, e in zip(reqs, params, emitted, strict=True)
-                ],
+                [masked_eos(r, len(e)) for r, e in zip(reqs, emitted, strict=True)],
                 row_tokens,
             )
         return _choose(
