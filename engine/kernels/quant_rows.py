@@ -160,8 +160,11 @@ class RowsQuantLinear:
         self,
         forward: Callable[[torch.Tensor], torch.Tensor],
         packed: PackedQuant | QuantizedWeight,
+        read_ahead: Callable[[], None] = lambda: None,
     ) -> None:
-        self.forward, self.packed = forward, packed
+        """`read_ahead`: has the rows pool's idle worker read the packed weights into cache
+        before the next call (`RowsGemm.read_ahead`); nothing on the ATen fallback."""
+        self.forward, self.packed, self.read_ahead = forward, packed, read_ahead
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x)
@@ -193,7 +196,7 @@ def build_quant_kernel(
     if rows is None:
         return RowsQuantLinear(_torch_product(weight, bias32), weight)
     pq = pack_quantized(weight)
-    return RowsQuantLinear(_rows_product(rows, pq, bias32), pq)
+    return RowsQuantLinear(_rows_product(rows, pq, bias32), pq, rows.read_ahead_of(pq.packed))
 
 
 def _rows_product(

@@ -11,6 +11,7 @@ import ctypes
 import functools
 import logging
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,6 +58,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rows_gemm_set_prefetch": ([_I, _I], ctypes.c_int),
     "rows_gemm_get_prefetch": ([_I], _I),
     "rows_gemm_isa": ([], ctypes.c_char_p),
+    "unit_pool_read_ahead": ([_P, _I], None),
     "rows_gemm_q8_isa": ([], ctypes.c_char_p),
     "rows_gemm_max_rows": ([], ctypes.c_int),
 }
@@ -104,6 +106,14 @@ class RowsGemm:
     def set_threads(self, n: int) -> None:
         """Threads per call, the caller included (clamped to 1..256); workers start lazily."""
         self.lib.rows_gemm_set_threads(n)
+
+    def read_ahead_of(self, memory: torch.Tensor) -> Callable[[], None]:
+        """A call that has an idle worker of the pool read `memory` (a contiguous CPU tensor:
+        the weights of a coming product) into cache while the caller does other work; a later
+        request replaces it, the next product stops it; nothing with one thread. `memory` must
+        outlive the call's uses."""
+        nbytes = memory.numel() * memory.element_size()
+        return functools.partial(self.lib.unit_pool_read_ahead, memory.data_ptr(), nbytes)
 
     def set_spin_us(self, us: int) -> None:
         """How long an idle worker spins for the next call before it sleeps (default 500)."""

@@ -30,8 +30,10 @@ static struct {
     int threads;             /* atomic: threads per call, the caller included */
     int64_t spin_ns;         /* atomic */
     call_t call;             /* written by the caller before it publishes `gen` */
+    const char *ahead;       /* atomic: memory for a spinning worker to read (NULL: none) */
+    int64_t ahead_bytes;     /* atomic: its length, written before `ahead` */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          0, 0xFFFFFFFFu, 0, 0, 0, 1, 500000, {0}};
+          0, 0xFFFFFFFFu, 0, 0, 0, 1, 500000, {0}, 0, 0};
 
 #define LOAD(p) __atomic_load_n(&(p), __ATOMIC_ACQUIRE)
 #define RELAXED(p) __atomic_load_n(&(p), __ATOMIC_RELAXED)
@@ -75,6 +77,20 @@ static void work(const call_t *call, uint32_t gen) {
     }
 }
 
+/* Read the memory a caller asked for (`unit_pool_read_ahead`) a line at a time, so that its
+ * next call finds it in cache; stop when a call after `seen` is published. */
+static void read_ahead(uint32_t seen) {
+    const char *p = __atomic_exchange_n(&pool.ahead, (const char *)0, __ATOMIC_ACQ_REL);
+    if (p == 0) return;
+    const int64_t bytes = RELAXED(pool.ahead_bytes);
+    uint64_t sink = 0;
+    for (int64_t off = 0; off < bytes; off += 64) {
+        sink += *(const volatile uint8_t *)(p + off);
+        if (off % 4096 == 0 && RELAXED(pool.gen) != seen) break;
+    }
+    __asm__ volatile("" : : "r"(sink));
+}
+
 /* Spin, then sleep, until a generation after `seen` is published; returns it. */
 static uint32_t wait_for_call(uint32_t seen) {
     uint32_t g = LOAD(pool.gen);
@@ -82,6 +98,7 @@ static uint32_t wait_for_call(uint32_t seen) {
     const int64_t deadline = now_ns() + RELAXED(pool.spin_ns);
     int spins = 0;
     while ((g = LOAD(pool.gen)) == seen) {
+        if (RELAXED(pool.ahead)) read_ahead(seen);
         cpu_relax();
         if (++spins % 64 == 0 && now_ns() > deadline) break;
     }
@@ -196,3 +213,9 @@ void unit_pool_set_threads(int threads) {
 int unit_pool_get_threads(void) { return RELAXED(pool.threads); }
 
 void unit_pool_set_spin_us(int64_t us) { STORE(pool.spin_ns, us < 0 ? 0 : us * 1000); }
+
+void unit_pool_read_ahead(const void *ptr, int64_t bytes) {
+    if (RELAXED(pool.threads) <= 1 || RELAXED(pool.started) == 0) return;
+    STORE(pool.ahead_bytes, bytes);
+    __atomic_store_n(&pool.ahead, (const char *)ptr, __ATOMIC_RELEASE);
+}

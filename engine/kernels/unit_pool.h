@@ -30,6 +30,11 @@ void unit_pool_run(unit_fn fn, const void *ctx, int64_t num_units, int64_t max_t
 void unit_pool_set_threads(int threads);
 int unit_pool_get_threads(void);
 
+/* Ask a worker spinning between calls to read [ptr, ptr + bytes) a cache line at a time (the
+ * weights of the caller's next call, while it does other work), stopping at the next call. The
+ * latest request replaces any not yet taken; nothing with one thread or no worker started. */
+void unit_pool_read_ahead(const void *ptr, int64_t bytes);
+
 /* How long an idle worker spins before it sleeps, in microseconds (0: sleep at once). */
 void unit_pool_set_spin_us(int64_t us);
 

@@ -17,6 +17,8 @@ changed) hands to the kernel: from then on the kernel's copy, in its own layout,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -55,6 +57,7 @@ class QuantLinear(nn.Module):
         self._raw: dict[int, dict[str, torch.Tensor]] = {}  # gptq: part row -> field -> tensor
         self._parts: dict[int, GptqPart | None] = {}  # gptq: part row -> its unpacked form
         self._kernel: QuantKernel | None = None
+        self._read_ahead: Callable[[], None] = _nothing  # the built kernel's `read_ahead`
 
     def extra_repr(self) -> str:
         return (
@@ -103,7 +106,7 @@ class QuantLinear(nn.Module):
                     zeros=None,
                     perm=None,
                 )
-            self._kernel = None
+            self._kernel, self._read_ahead = None, _nothing
         return self._weight
 
     def expect_part(self, row_offset: int) -> None:
@@ -129,7 +132,7 @@ class QuantLinear(nn.Module):
             parts = [p for _, p in sorted(self._parts.items()) if p is not None]
             self._weight = _to_device(assemble(parts, s.bits), self.device)
             self._parts = {row: None for row in self._parts}  # drop the unpacked copies
-            self._kernel = None
+            self._kernel, self._read_ahead = None, _nothing
 
     # -- running --------------------------------------------------------------------------
 
@@ -144,6 +147,7 @@ class QuantLinear(nn.Module):
             kernel = self._kernel = quant_kernel(
                 self._weight, self.bias, self.device, self.dtype, self.scheme.method
             )
+            self._read_ahead = getattr(kernel, "read_ahead", _nothing)
             self._weight = None
         return kernel
 
@@ -165,6 +169,12 @@ class QuantLinear(nn.Module):
             kernel = self.build_kernel()
         return kernel(x)
 
+    def read_ahead(self) -> None:
+        """Have the kernel's weights read into cache ahead of the next `forward`, by a thread
+        that would otherwise wait (the CPU kernels; nothing elsewhere, or before the kernel is
+        built)."""
+        self._read_ahead()
+
     def warm_up(self, max_rows: int) -> None:
         """Compile every variant the layer's kernel launches for up to `max_rows` rows (a
         Triton kernel's `warm_up`; nothing for kernels that do not compile), so that no step
@@ -178,6 +188,10 @@ class QuantLinear(nn.Module):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """No fused gate: the caller applies its own SiLU-and-mul to `forward`."""
         return None
+
+
+def _nothing() -> None:
+    pass
 
 
 def _to_device(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight:

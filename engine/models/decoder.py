@@ -90,6 +90,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [N, hidden]
         n, q_size, kv_size = x.shape[0], self.q_size, self.kv_size
         qkv = self.qkv_proj.forward(x)  # [N, q_size + 2 * kv_size]
+        self.o_proj.read_ahead()  # during RoPE and attention
         if rope.cos_sin is None:
             assert self.kernels is not None
             heads = self.num_heads + self.num_kv_heads
@@ -122,7 +123,9 @@ class MLP(nn.Module):
         if self.kernels is not None:
             h = self.gate_up_proj.silu_and_mul(x)  # [N, intermediate], or None: not fused
             if h is None:
-                h = self.kernels.silu_and_mul(self.gate_up_proj.forward(x))
+                gate_up = self.gate_up_proj.forward(x)
+                self.down_proj.read_ahead()  # during SiLU-and-mul
+                h = self.kernels.silu_and_mul(gate_up)
         else:
             gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
             h = F.silu(gate) * up
@@ -150,5 +153,6 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream before it)
         h, residual = self.input_layernorm.forward(x, residual)
         h = self.self_attn.forward(h, rope, kv_cache, attn_metadata)
+        self.mlp.gate_up_proj.read_ahead()  # during the norm
         h, residual = self.post_attention_layernorm.forward(h, residual)
         return self.mlp.forward(h), residual

@@ -28,6 +28,7 @@ dispatch on every call of a step: forward hooks on submodules do not run.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -147,6 +148,7 @@ class LlamaModel(nn.Module):
         rope = self.rotary.prepare(positions, attn_metadata.max_position, self.kernels is None)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cast(DecoderLayer, layer).self_attn.qkv_proj.read_ahead()  # during the norm
             x, residual = layer.forward(x, residual, rope, kv_cache, attn_metadata)
         return self.norm.forward(x, residual)[0]
 

@@ -21,6 +21,7 @@ from engine.kernels.quant_rows import (
     kernel_isa,
     pack_quantized,
 )
+from engine.kernels.rows import load_rows_gemm
 from engine.quant.reference import activation_group, dequantize_rows, reference_linear
 from engine.quant.weights import QuantizedWeight, pack_int4
 
@@ -201,3 +202,32 @@ def test_resident_bytes() -> None:
     q4 = pack_quantized(make_weight(out, k, 4, 64, True, True))
     assert q4.nbytes == out * k // 2 + out * (k // 64) * 5 + k * 8
     assert q4.nbytes / (out * k) < 0.6
+
+
+@pytest.mark.parametrize("spin_us", [0, 500])
+def test_reading_ahead_leaves_the_products_unchanged(spin_us: int) -> None:
+    """A worker asked to read the next products' weights ahead (whether it is spinning or
+    asleep, the request taken or replaced, or stopped by the next call) changes no result:
+    each product equals the same kernel's without read-ahead, bit for bit."""
+    rows = load_rows_gemm()
+    if rows is None:
+        pytest.skip("no C compiler")
+    threads = rows.threads
+    rows.set_threads(2)
+    rows.set_spin_us(spin_us)
+    try:
+        weights = [make_weight(256 + 16 * i, 512, 8 if i % 2 else 4, 128, i % 3 == 0, False, i)
+                   for i in range(6)]  # fmt: skip
+        kernels = [build_quant_kernel(w, None) for w in weights]
+        rows.set_threads(2)  # the build set torch's count
+        x = torch.randn(3, 512)
+        expected = [kernel(x) for kernel in kernels]
+        for _ in range(20):
+            for i, kernel in enumerate(kernels):
+                kernels[(i + 1) % len(kernels)].read_ahead()
+                if i % 2:
+                    kernels[(i + 2) % len(kernels)].read_ahead()  # replaces the request
+                assert torch.equal(kernel(x), expected[i])
+    finally:
+        rows.set_spin_us(500)
+        rows.set_threads(threads)
