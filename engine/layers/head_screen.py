@@ -12,10 +12,9 @@ kernel quantizes it, each entry of activation group g off by at most h_g, half i
 (Hölder's inequality on w^_j . (x - x^), Cauchy-Schwarz on (w_j - w^_j) . x). Only the columns
 whose upper bound reaches the largest lower bound can hold the maximum; their exact logits are
 computed from the float weights, and every other column is -inf (`head_screen` in
-`cpu_kernels.c`, one pass per row after the int8 product). The argmax of
-the row that `logits` returns is therefore the argmax of the exact logits, except where two
-exact logits differ by float32 rounding alone (a near-tie a different float32 kernel may also
-split).
+`cpu_kernels.c`, one pass per row after the int8 product). The argmax of the row that `logits`
+returns is therefore the argmax of the exact logits, except where two exact logits differ by
+float32 rounding alone (a near-tie a different float32 kernel may also split).
 
 The screen serves only callers that read nothing but each row's argmax (first index on ties),
 and declines (None) where it cannot prove its answer: rows that are not finite, or more
