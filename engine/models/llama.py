@@ -22,7 +22,9 @@ With a `Shard` of N > 1 ranks, the model holds that rank's share (`engine.parall
 sums row-parallel outputs over the ranks; the checkpoint's tensors are read in slices.
 
 The forward passes call submodules' `forward` directly, skipping `nn.Module.__call__`'s hook
-dispatch on every call of a step: forward hooks on submodules do not run.
+dispatch on every call of a step: forward hooks on submodules do not run. Each module's
+submodules are also plain instance attributes (`plain_submodules`), so that a step's reads of
+them skip `nn.Module.__getattr__`.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class LlamaModel(nn.Module):
         tied_scale = config.embedding_multiplier * config.logits_scaling
         # What `embed` multiplies the tied table's rows by; None: nothing (untied, or neutral).
         self.embed_scale = tied_scale if self.tied and tied_scale != 1 else None
+        for module in self.modules():
+            plain_submodules(module)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[N] -> [N, hidden], times embedding_multiplier."""
@@ -273,3 +277,12 @@ class LlamaModel(nn.Module):
         if not self.quant.lm_head:
             targets |= undeclared_head(self.quant, cfg.vocab_size, hidden)
         return gptq_targets(targets)
+
+
+def plain_submodules(module: nn.Module) -> None:
+    """Keep each submodule of `module` in its instance dictionary too, where attribute reads
+    find it without calling `nn.Module.__getattr__`. `nn.Module.__setattr__` removes the copy
+    when the submodule is replaced (reads then take the slow path again)."""
+    for name, child in module._modules.items():
+        if child is not None:
+            object.__setattr__(module, name, child)
