@@ -57,7 +57,7 @@ class HeadScreen:
         product: RowsQuantLinear,
         basis: torch.Tensor,  # [groups + 2, V] float32: see `build`
     ) -> None:
-        self.head, self.kernels, self.product, self.basis = head, kernels, product, basis
+        self.head, self.product, self.basis = head, product, basis
         self.version = head.weights_version
         self.group = activation_group(head.in_features)
         bind(kernels.lib, _SIGNATURES)
