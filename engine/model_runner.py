@@ -46,9 +46,8 @@ class SequenceInput:
     `num_computed_tokens`. `logits_indices` picks which new tokens get logits and hidden states
     (default: the last one). `prefix_embeds` (prompt tuning) replace the embeddings of the first
     `len(prefix_embeds)` tokens, in the space of transformers' `inputs_embeds`. `argmax_only`:
-    the caller reads nothing but the argmax of this sequence's logits rows; when every sequence
-    of a step says so, the rows may hold -inf away from the columns that can be the argmax
-    (`LlamaModel.compute_logits`).
+    only the argmax of its rows is read; a step whose sequences all say so may get rows that
+    are -inf away from the columns that can be the argmax (`LlamaModel.compute_logits`).
     """
 
     token_ids: list[int]
@@ -379,6 +378,5 @@ class ModelRunner:
         hidden = self.model(ids_d, positions_d, self.kv_caches, metadata, inputs_embeds)
         if not all_rows:
             hidden = hidden.index_select(0, rows_d)
-        argmax_only = all(s.argmax_only for s in seqs)
-        logits = self.model.compute_logits(hidden, argmax_only).float()
+        logits = self.model.compute_logits(hidden, all(s.argmax_only for s in seqs)).float()
         return ModelOutput(logits=logits, hidden_states=hidden, num_rows=num_rows)
