@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import SequenceInput
 from engine.request import Request
-from engine.sampling.greedy_choice import reads_argmax_only
+from engine.sampling.greedy_choice import is_plain_greedy, masked_eos
 from engine.sampling.prompt_logprobs import PromptLogprobs
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode.verifier import Verification
@@ -48,12 +48,14 @@ def build_batch(
     """One `SequenceInput` per scheduled request: its root token and drafts (a tree to
     verify), or a chunk of known tokens whose last row is sampled when it reaches the
     request's last known token, plus the rows prompt logprobs need. A sequence is
-    `argmax_only` when its request's rows are read only for their argmax
-    (`reads_argmax_only`), it has no prompt logprobs rows, and not `rows_read_whole` (the
-    caller reads every row whole, e.g. to show observers)."""
+    `argmax_only` when its request is plain greedy (`is_plain_greedy`: each row is read only for
+    its argmax, after the ids `masked_eos` gives, its `maskable_ids`, are masked), it has no
+    prompt logprobs rows, and not `rows_read_whole` (the caller reads every row whole, e.g. to
+    show observers)."""
     batch = StepBatch()
     for req in sched.scheduled_requests:
-        argmax_only = not rows_read_whole and reads_argmax_only(req)
+        argmax_only = not rows_read_whole and is_plain_greedy(req.sampling_params)
+        maskable_ids = masked_eos(req, 0)
         n = sched.num_scheduled_tokens[req.request_id]
         start = req.num_computed_tokens
         block_table = kv.block_table(req.request_id)
@@ -73,6 +75,7 @@ def build_batch(
                     tree_mask=tree.attention_mask(),
                     logits_indices=list(range(n)),
                     argmax_only=argmax_only,
+                    maskable_ids=maskable_ids,
                 )
             )
             continue
@@ -97,6 +100,7 @@ def build_batch(
                 logits_indices=indices,
                 prefix_embeds=prefix_embeds,
                 argmax_only=argmax_only,
+                maskable_ids=maskable_ids,
             )
         )
     return batch

@@ -46,8 +46,9 @@ class SequenceInput:
     `num_computed_tokens`. `logits_indices` picks which new tokens get logits and hidden states
     (default: the last one). `prefix_embeds` (prompt tuning) replace the embeddings of the first
     `len(prefix_embeds)` tokens, in the space of transformers' `inputs_embeds`. `argmax_only`:
-    only the argmax of its rows is read; a step whose sequences all say so may get rows that
-    are -inf away from the columns that can be the argmax (`LlamaModel.compute_logits`).
+    only the argmax of its rows is read, after any of `maskable_ids` are set to -inf; a step
+    whose sequences all say so may get rows that are -inf away from the columns that can be the
+    argmax (`LlamaModel.compute_logits`).
     """
 
     token_ids: list[int]
@@ -58,6 +59,7 @@ class SequenceInput:
     logits_indices: list[int] | None = None
     prefix_embeds: torch.Tensor | None = None  # [K <= len(token_ids), hidden], model dtype
     argmax_only: bool = False
+    maskable_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -378,5 +380,7 @@ class ModelRunner:
         hidden = self.model(ids_d, positions_d, self.kv_caches, metadata, inputs_embeds)
         if not all_rows:
             hidden = hidden.index_select(0, rows_d)
-        logits = self.model.compute_logits(hidden, all(s.argmax_only for s in seqs)).float()
+        argmax_only = all(s.argmax_only for s in seqs)
+        maskable_ids = frozenset().union(*(s.maskable_ids for s in seqs))
+        logits = self.model.compute_logits(hidden, argmax_only, maskable_ids).float()
         return ModelOutput(logits=logits, hidden_states=hidden, num_rows=num_rows)

@@ -49,19 +49,23 @@ class Reference:
 
 
 @cache
-def hf_greedy(path: Path, prompt_ids: tuple[int, ...], max_new_tokens: int) -> Reference:
-    return model_greedy(hf_model(path), prompt_ids, max_new_tokens)
+def hf_greedy(
+    path: Path, prompt_ids: tuple[int, ...], max_new_tokens: int, min_new_tokens: int = 0
+) -> Reference:
+    return model_greedy(hf_model(path), prompt_ids, max_new_tokens, min_new_tokens)
 
 
 def model_greedy(
-    model: PreTrainedModel, prompt_ids: Sequence[int], max_new_tokens: int
+    model: PreTrainedModel, prompt_ids: Sequence[int], max_new_tokens: int, min_new_tokens: int = 0
 ) -> Reference:
-    """transformers' greedy `generate` of `model` on one prompt: tokens and float32 logits."""
+    """transformers' greedy `generate` of `model` on one prompt: tokens and float32 logits (before
+    `min_new_tokens` masks EOS)."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([list(prompt_ids)]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
             max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
             do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,

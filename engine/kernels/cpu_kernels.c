@@ -186,22 +186,33 @@ int64_t columns_at_least(const float *scores, int64_t ld, int64_t n, int64_t v,
 
 /* The argmax-preserving rows of a float32 head from an int8 screen of it (engine/layers/
  * head_screen.py states the bound). For each of m rows of x [m, k] (contiguous), approx [m, v]
- * its screen's scores, within bound_j = sum_t c_t basis[t][j] of the exact x . w_j, where basis
- * [k / group + 2, v] holds per column j its int8 row's L1 norm over each activation group of
- * `group` columns, then ||w_j - w^_j||_2, then ||w^_j||_2, and c = (h_g = max |x_g| / 254 for each
- * group g; ||x||_2 + r; 2 r), r = 4 (k + 2) u (||x||_2 + sqrt(group sum_g h_g^2)) (times
- * SCREEN_SLACK). Writes out [m, v]: -inf except at the columns j with approx_j + bound_j >= max_i
- * (approx_i - bound_i) (compared in double), which get x . w_j summed in float32 from W^T [k, v]
- * (row stride ldw). Returns 0, or -1 (out partly written) when a row of x is not finite or has
- * more than cap such columns. cols [cap] and bound [v] are scratch. */
-int64_t head_screen(const float *x, int64_t m, int64_t k, int64_t group, const float *approx,
-                    int64_t v, const float *basis, const float *wt, int64_t ldw, int64_t cap,
-                    int64_t *cols, float *bound, float *out) {
+ * holds its screen's scores, within bound_j = sum_t c_t basis[t][j] of the exact x . w_j, where
+ * basis [k / group + 2, v] holds per column j its int8 row's L1 norm over each activation group
+ * of `group` columns, then ||w_j - w^_j||_2, then ||w^_j||_2, basis_max [k / group + 2] each of
+ * its rows' largest entry, and c = (h_g = max |x_g| / 254 for each group g; ||x||_2 + r; 2 r),
+ * r = 4 (k + 2) u (||x||_2 + sqrt(group sum_g h_g^2)) (times SCREEN_SLACK).
+ *
+ * A row's least is approx_j - bound_j at its largest approx_j outside the `nkeep` columns `keep`:
+ * the exact maximum outside `keep` is at least that. Its candidates are `keep` and the columns
+ * j outside `keep` with approx_j + bound_j >= least (compared in double; bound_j is computed
+ * only where approx_j passes the coarser test with basis_max). Writes out [m, v]: in every row,
+ * x . w_j summed in float32 in k order from W^T [k, v] (row stride ldw) at each column that is
+ * a candidate of any row, -inf elsewhere. Each column of W^T is read once for all rows. Returns
+ * 0, or -1 (out not written) when a row of x is not finite or the rows have more than cap
+ * candidates together. approx's `keep` columns are overwritten; cols [cap] and acc [m, cap] are
+ * scratch. */
+int64_t head_screen(const float *x, int64_t m, int64_t k, int64_t group, float *approx,
+                    int64_t v, const float *basis, const float *basis_max, const float *wt,
+                    int64_t ldw, const int64_t *keep, int64_t nkeep, int64_t cap, int64_t *cols,
+                    float *acc, float *out) {
     const int64_t groups = k / group, terms = groups + 2;
     float coef[terms];
-    float acc[cap];
+    int64_t count = 0;
+    for (int64_t c = 0; c < nkeep && count < cap; c++) cols[count++] = keep[c];
+    if (count < nkeep) return -1;
     for (int64_t r = 0; r < m; r++) {
-        const float *xr = x + r * k, *a = approx + r * v;
+        const float *xr = x + r * k;
+        float *a = approx + r * v;
         double norm2 = 0.0, h2 = 0.0;
         for (int64_t g = 0; g < groups; g++) {
             float top = 0.0f;
@@ -219,48 +230,56 @@ int64_t head_screen(const float *x, int64_t m, int64_t k, int64_t group, const f
         const double rounding = 4.0 * (double)(k + 2) * SCREEN_U * (norm + act);
         coef[groups] = (float)((norm + rounding) * SCREEN_SLACK);
         coef[groups + 1] = (float)(2.0 * rounding * SCREEN_SLACK);
-#pragma omp simd
-        for (int64_t j = 0; j < v; j++) bound[j] = coef[0] * basis[j];
-        for (int64_t t = 1; t < terms; t++) {
-            const float c = coef[t], *b = basis + t * v;
-#pragma omp simd
-            for (int64_t j = 0; j < v; j++) bound[j] += c * b[j];
+        for (int64_t c = 0; c < nkeep; c++) a[keep[c]] = -INFINITY;
+        float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+        for (int64_t j = 0; j < v; j++) top = a[j] > top ? a[j] : top;
+        int64_t best = 0;
+        while (a[best] != top) best++;
+        double widest = 0.0, least = (double)top;
+        for (int64_t t = 0; t < terms; t++) {
+            widest += (double)coef[t] * basis_max[t];
+            least -= (double)coef[t] * basis[t * v + best];
         }
-        double lo = -INFINITY;
-#pragma omp simd reduction(max : lo)
-        for (int64_t j = 0; j < v; j++) {
-            const double low = (double)a[j] - (double)bound[j];
-            lo = low > lo ? low : lo;
-        }
-        int64_t count = 0;
+        /* a float threshold at most least - widest: a column below it cannot reach least */
+        float coarse = (float)(least - widest * SCREEN_SLACK);
+        if ((double)coarse > least - widest * SCREEN_SLACK) coarse = nextafterf(coarse, -INFINITY);
         for (int64_t j0 = 0; j0 < v; j0 += TOP_SELECT_BLOCK) {
             const int64_t j1 = j0 + TOP_SELECT_BLOCK < v ? j0 + TOP_SELECT_BLOCK : v;
-            double hi = -INFINITY;
-#pragma omp simd reduction(max : hi)
+            float high = -INFINITY;
+#pragma omp simd reduction(max : high)
+            for (int64_t j = j0; j < j1; j++) high = a[j] > high ? a[j] : high;
+            if (high < coarse) continue;
             for (int64_t j = j0; j < j1; j++) {
-                const double high = (double)a[j] + (double)bound[j];
-                hi = high > hi ? high : hi;
-            }
-            if (hi < lo) continue;
-            for (int64_t j = j0; j < j1; j++) {
-                if ((double)a[j] + (double)bound[j] < lo) continue;
+                if (a[j] < coarse) continue;
+                double bound = 0.0;
+                for (int64_t t = 0; t < terms; t++) bound += (double)coef[t] * basis[t * v + j];
+                if ((double)a[j] + bound < least) continue;
+                int64_t c = 0;
+                while (c < count && cols[c] != j) c++;
+                if (c < count) continue;
                 if (count == cap) return -1;
                 cols[count++] = j;
             }
         }
-        for (int64_t c = 0; c < count; c++) acc[c] = 0.0f;
-        for (int64_t i = 0; i < k; i++) {
-            const float *row = wt + i * ldw, xi = xr[i];
-            if (i + GATHER_AHEAD < k) {
-                const float *ahead = row + GATHER_AHEAD * ldw;
-                for (int64_t c = 0; c < count; c++) __builtin_prefetch(ahead + cols[c]);
-            }
-            for (int64_t c = 0; c < count; c++) acc[c] += xi * row[cols[c]];
+    }
+    for (int64_t i = 0; i < m * count; i++) acc[i] = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        const float *row = wt + i * ldw;
+        if (i + GATHER_AHEAD < k) {
+            const float *ahead = row + GATHER_AHEAD * ldw;
+            for (int64_t c = 0; c < count; c++) __builtin_prefetch(ahead + cols[c]);
         }
+        for (int64_t c = 0; c < count; c++) {
+            const float w = row[cols[c]];
+            for (int64_t r = 0; r < m; r++) acc[r * count + c] += x[r * k + i] * w;
+        }
+    }
+    for (int64_t r = 0; r < m; r++) {
         float *o = out + r * v;
 #pragma omp simd
         for (int64_t j = 0; j < v; j++) o[j] = -INFINITY;
-        for (int64_t c = 0; c < count; c++) o[cols[c]] = acc[c];
+        for (int64_t c = 0; c < count; c++) o[cols[c]] = acc[r * count + c];
     }
     return 0;
 }

@@ -10,11 +10,13 @@ kernel quantizes it, each entry of activation group g off by at most h_g, half i
     |x . w_j - a_j| <= sum_g h_g ||w^_j[g]||_1 + ||w_j - w^_j||_2 ||x||_2 + float32 rounding
 
 (Hölder's inequality on w^_j . (x - x^), Cauchy-Schwarz on (w_j - w^_j) . x). Only the columns
-whose upper bound reaches the largest lower bound can hold the maximum; their exact logits are
+whose upper bound reaches a lower bound of the maximum can hold it; their exact logits are
 computed from the float weights, and every other column is -inf (`head_screen` in
-`cpu_kernels.c`, one pass per row after the int8 product). The argmax of the row that `logits`
-returns is therefore the argmax of the exact logits, except where two exact logits differ by
-float32 rounding alone (a near-tie a different float32 kernel may also split).
+`cpu_kernels.c`, after the int8 product). The argmax of a row that `logits` returns is therefore
+the argmax of the exact logits, except where two exact logits differ by float32 rounding alone
+(a near-tie a different float32 kernel may also split). Columns the caller may mask (EOS before
+`min_new_tokens`) are passed as `maskable_ids`: they are exact too, and the maximum is proven
+over the columns outside them, so the argmax after masking any of them is exact as well.
 
 The screen serves only callers that read nothing but each row's argmax (first index on ties),
 and declines (None) where it cannot prove its answer: rows that are not finite, or more
@@ -25,6 +27,7 @@ candidate columns than `MAX_CANDIDATES`. It holds its own copy of the weights, m
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -38,12 +41,14 @@ from engine.quant.weights import QuantizedWeight
 MAX_ROWS = 2
 """Most rows a screen takes: above, the float head's read is shared by enough rows that
 screening each saves less than it costs."""
-MAX_CANDIDATES = 1024
-"""Most candidate columns per row; a row with more falls back to the float head."""
+MAX_CANDIDATES = 256
+"""Most candidate columns of a call, all its rows together; with more, the float head answers
+(each candidate is read column by column from the float weights, so that many more would cost
+about as much as the float head)."""
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
-    "head_screen": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _I, _P, _P, _P], _I),
+    "head_screen": ([_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _P, _I, _I, _P, _P, _P], _I),
 }
 
 
@@ -58,12 +63,13 @@ class HeadScreen:
         basis: torch.Tensor,  # [groups + 2, V] float32: see `build`
     ) -> None:
         self.head, self.product, self.basis = head, product, basis
+        self.basis_max = basis.amax(dim=1).contiguous()  # [groups + 2]
         self.version = head.weights_version
         self.group = activation_group(head.in_features)
         bind(kernels.lib, _SIGNATURES)
         self._run = kernels.lib.head_screen
         self._cols = torch.empty(MAX_CANDIDATES, dtype=torch.int64)  # the kernel's scratch
-        self._bound = torch.empty(head.out_features, dtype=torch.float32)
+        self._acc = torch.empty(MAX_ROWS, MAX_CANDIDATES, dtype=torch.float32)
         self.screened_rows = 0  # rows answered by the screen, for tests and benchmarks
 
     @classmethod
@@ -108,23 +114,27 @@ class HeadScreen:
         """Resident bytes of the screen's own copy."""
         return self.product.nbytes + self.basis.numel() * self.basis.element_size()
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [M, K] float32 final-norm states -> [M, V] float32: each row's exact logits at the
-        columns that may hold its maximum, -inf elsewhere; None where the screen declines
-        (more than MAX_ROWS rows, a row not finite, too many candidates, weights changed since
-        the build)."""
+    def logits(self, x: torch.Tensor, maskable_ids: Collection[int] = ()) -> torch.Tensor | None:
+        """x [M, K] float32 final-norm states -> [M, V] float32: exact logits at `maskable_ids`
+        and at the columns that may hold a row's maximum over the other columns, -inf
+        elsewhere; None where the screen declines (more than MAX_ROWS rows, a row not finite,
+        too many candidates, weights changed since the build)."""
         m, k = x.shape
         if m > MAX_ROWS or self.head.weights_version != self.version:
             return None
         x = x.contiguous()
         approx = self.product(x)  # [M, V]
         vocab = approx.shape[1]
+        keep = torch.tensor(sorted(maskable_ids), dtype=torch.int64)
+        if keep.numel() and not 0 <= int(keep[0]) <= int(keep[-1]) < vocab:
+            raise ValueError(f"maskable_ids {sorted(maskable_ids)} outside the vocabulary")
         out = torch.empty(m, vocab, dtype=torch.float32)
         storage = self.head.storage  # W^T [K, V]
         rc = self._run(
             x.data_ptr(), m, k, self.group, approx.data_ptr(), vocab, self.basis.data_ptr(),
-            storage.data_ptr(), storage.stride(0), MAX_CANDIDATES, self._cols.data_ptr(),
-            self._bound.data_ptr(), out.data_ptr(),
+            self.basis_max.data_ptr(), storage.data_ptr(), storage.stride(0), keep.data_ptr(),
+            keep.numel(), MAX_CANDIDATES, self._cols.data_ptr(), self._acc.data_ptr(),
+            out.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             return None

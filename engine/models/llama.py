@@ -30,6 +30,7 @@ them skip `nn.Module.__getattr__`.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import cast
 
 import torch
@@ -164,13 +165,19 @@ class LlamaModel(nn.Module):
         if isinstance(head, Linear) and one_rank and head.out_features == self.config.vocab_size:
             self.screen = HeadScreen.build(head, self.kernels)
 
-    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+    def compute_logits(
+        self,
+        hidden: torch.Tensor,
+        argmax_only: bool = False,
+        maskable_ids: Collection[int] = (),
+    ) -> torch.Tensor:
         """[M, hidden] final-norm states -> [M, vocab] logits (divided by logits_scaling); with
         several ranks, on rank 0 (the others get their [M, vocab_rows] share). `argmax_only`:
-        the caller reads nothing but each row's argmax (first index on ties), so the rows may
-        come from `screen`: exact at the columns that may hold the maximum, -inf elsewhere."""
+        the caller reads nothing but each row's argmax (first index on ties) after setting any
+        of `maskable_ids` to -inf, so the rows may come from `screen`: exact at those ids and
+        at the columns that may hold the maximum over the others, -inf elsewhere."""
         if argmax_only and self.screen is not None:
-            screened = self.screen.logits(hidden)
+            screened = self.screen.logits(hidden, maskable_ids)
             if screened is not None:
                 return screened
         logits = self.lm_head.forward(hidden)

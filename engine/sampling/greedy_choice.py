@@ -36,12 +36,6 @@ def masked_eos(request: Request, num_emitted: int) -> frozenset[int]:
     return frozenset()
 
 
-def reads_argmax_only(request: Request) -> bool:
-    """Whether every logits row of `request` this step is read only for its argmax: a plain
-    greedy request (`is_plain_greedy`) with no EOS masked (`masked_eos`)."""
-    return is_plain_greedy(request.sampling_params) and not masked_eos(request, 0)
-
-
 def greedy_choices(
     logits: torch.Tensor,  # [M, vocab] float32
     masked_ids: Sequence[frozenset[int]],  # [M]: ids scored -inf in that row (empty: none)

@@ -144,6 +144,25 @@ def test_near_ties_keep_both_columns() -> None:
     _assert_exact_argmax(out, x.double() @ weight.double().T)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_maskable_columns_are_exact_and_masking_them_keeps_the_exact_argmax(seed: int) -> None:
+    """Each row's exact argmax (and column 5) are passed as maskable: they come back exact, and
+    with them masked each row's argmax is the exact argmax of the other columns, although the
+    masked maximum's lower bound lies above those columns' upper bounds."""
+    vocab, k = 2500, 192
+    weight = _weight(vocab, k, seed)
+    x = _inputs(k, MAX_ROWS, seed)
+    exact = x.double() @ weight.double().T  # [M, V]: the oracle
+    maskable = sorted({*exact.argmax(dim=1).tolist(), 5})
+    out = _screen(weight).logits(x, maskable)
+    assert out is not None
+    assert torch.allclose(out[:, maskable].double(), exact[:, maskable], rtol=0, atol=1e-3)
+    _assert_exact_argmax(out, exact)
+    out[:, maskable] = float("-inf")
+    exact[:, maskable] = float("-inf")
+    _assert_exact_argmax(out, exact)
+
+
 def test_declines_where_it_cannot_prove() -> None:
     vocab, k = 1024, 128
     weight = _weight(vocab, k, 1)
@@ -155,6 +174,8 @@ def test_declines_where_it_cannot_prove() -> None:
     bad = x[:1].clone()
     bad[0, 5] = float("nan")
     assert screen.logits(bad) is None
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        screen.logits(x[:1], [vocab])
     flat = _screen(torch.ones(MAX_CANDIDATES + 8, k) * 0.01)
     assert flat.logits(x[:1]) is None  # every column a candidate: too many
     head.load_rows(0, weight[:1] * 2)  # the weights changed since the build
@@ -190,7 +211,7 @@ def test_rows_read_for_more_than_the_argmax_are_not_screened() -> None:
         screen = llm.runner.model.screen
         assert screen is not None
         plain = llm.generate([prompt], 8)[0].token_ids
-        for kwargs in ({"logprobs": True}, {"min_new_tokens": 8}, {"repetition_penalty": 1.2}):
+        for kwargs in ({"logprobs": True}, {"repetition_penalty": 1.2}):
             before = screen.screened_rows
             llm.generate([prompt], 8, **kwargs)
             assert screen.screened_rows == before, kwargs
@@ -198,8 +219,23 @@ def test_rows_read_for_more_than_the_argmax_are_not_screened() -> None:
         observed = llm.generate([prompt], 8, return_logits=True)[0]
         assert screen.screened_rows == before  # observers read whole rows
         assert observed.token_ids == plain
-        min_eos = llm.generate([prompt], 8, min_new_tokens=4)[0].token_ids
-        assert min_eos == plain or len(plain) < 4
+
+
+def test_rows_with_eos_masked_are_screened_and_match_transformers() -> None:
+    """A prompt the default model answers in fewer tokens than `min_new_tokens`: EOS is masked
+    where it would be the argmax, and the screened rows still give transformers' tokens."""
+    path = require_model(default_model_path())
+    prompt = chat_prompt_ids(path)[16]
+    with _screened_llm(str(path)) as llm:
+        screen = llm.runner.model.screen
+        assert screen is not None
+        natural = llm.generate([list(prompt)], 24)[0].token_ids
+        assert len(natural) < 16  # ends with EOS: the case this test is about
+        before = screen.screened_rows
+        ours = llm.generate([list(prompt)], 24, min_new_tokens=16)[0].token_ids
+        assert screen.screened_rows > before
+        assert len(ours) >= 16
+        compare_greedy(ours, hf_greedy(path, prompt, 24, min_new_tokens=16))
 
 
 def test_screen_is_built_only_for_a_float32_cpu_head_with_kernels() -> None:
