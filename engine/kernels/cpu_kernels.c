@@ -185,27 +185,34 @@ int64_t columns_at_least(const float *scores, int64_t ld, int64_t n, int64_t v,
 #define SCREEN_U 5.9604644775390625e-08 /* float32's unit roundoff, 2^-24 */
 
 /* The argmax-preserving rows of a float32 head from an int8 screen of it (engine/layers/
- * head_screen.py states the bound). For each of m rows of x [m, k] (contiguous), approx [m, v]
- * holds its screen's scores, within bound_j = sum_t c_t basis[t][j] of the exact x . w_j, where
- * basis [k / group + 2, v] holds per column j its int8 row's L1 norm over each activation group
- * of `group` columns, then ||w_j - w^_j||_2, then ||w^_j||_2, basis_max [k / group + 2] each of
- * its rows' largest entry, and c = (h_g = max |x_g| / 254 for each group g; ||x||_2 + r; 2 r),
- * r = 4 (k + 2) u (||x||_2 + sqrt(group sum_g h_g^2)) (times SCREEN_SLACK).
- *
- * A row's least is approx_j - bound_j at its largest approx_j outside the `nkeep` columns `keep`:
- * the exact maximum outside `keep` is at least that. Its candidates are `keep` and the columns
- * j outside `keep` with approx_j + bound_j >= least (compared in double; bound_j is computed
- * only where approx_j passes the coarser test with basis_max). Writes out [m, v]: in every row,
- * x . w_j summed in float32 in k order from W^T [k, v] (row stride ldw) at each column that is
- * a candidate of any row, -inf elsewhere. Each column of W^T is read once for all rows. Returns
- * 0, or -1 (out not written) when a row of x is not finite or the rows have more than cap
- * candidates together. approx's `keep` columns are overwritten; cols [cap] and acc [m, cap] are
- * scratch. */
+ * head_screen.py states the bound). The screen's int8 rows are w^_j = wscale[j] q_j, stored in
+ * wq as rows_qg.h lays out 8-bit panels (group size k, bytes q + 128); basis [k / group + 2, v]
+ * holds per column j its int8 row's L1 norm over each activation group of `group` columns,
+ * then ||w_j - w^_j||_2, then ||w^_j||_2, and basis_max [k / group + 2] each of its rows'
+ * largest entry. For each of m rows of x [m, k] (contiguous), approx [m, v] holds the int8
+ * product's scores, within bound_j = sum_t c_t basis[t][j] of the exact x . w_j, where c = (h_g
+ * = max |x_g| / 254 for each group g; ||x||_2 + r; 2 r), r = 4 (k + 2) u (||x||_2 +
+ * sqrt(group sum_g h_g^2)) (times SCREEN_SLACK). A row's columns are narrowed in two stages,
+ * `keep` (nkeep columns) set aside:
+ *   1. near: the columns j with approx_j + bound_j >= approx_b - bound_b, at the largest
+ *      approx_b (bound_j is computed only where approx_j passes a coarser test with basis_max);
+ *   2. of those, the ones with x . w^_j + e_j >= the largest x . w^_i - e_i over the near
+ *      columns, where x . w^_j is summed in float32 from the int8 row and e_j = c_{g+1}
+ *      ||w_j - w^_j||_2 + c_{g+2} ||w^_j||_2 bounds its distance from x . w_j (no activation
+ *      rounding) (compared in double).
+ * Each stage keeps every column that may hold the row's maximum outside `keep`. Writes out
+ * [m, v]: in every row, x . w_j summed in float32 in k order from W^T [k, v] (row stride ldw)
+ * at `keep` and at each column that stage 2 kept for any row, -inf elsewhere; each such column
+ * of W^T is read once for all rows. Returns 0, or -1 (out not written) when a row of x is not
+ * finite, a row has more than cap_near near columns, or the rows keep more than cap columns
+ * together. approx's `keep` columns are overwritten; near [cap_near], refined [2 cap_near],
+ * cols [cap] and acc [m, cap] are scratch. */
 int64_t head_screen(const float *x, int64_t m, int64_t k, int64_t group, float *approx,
-                    int64_t v, const float *basis, const float *basis_max, const float *wt,
-                    int64_t ldw, const int64_t *keep, int64_t nkeep, int64_t cap, int64_t *cols,
-                    float *acc, float *out) {
-    const int64_t groups = k / group, terms = groups + 2;
+                    int64_t v, const float *basis, const float *basis_max, const uint8_t *wq,
+                    const float *wscale, const float *wt, int64_t ldw, const int64_t *keep,
+                    int64_t nkeep, int64_t cap_near, int64_t *near, double *refined, int64_t cap,
+                    int64_t *cols, float *acc, float *out) {
+    const int64_t groups = k / group, terms = groups + 2, panel_bytes = k * 16;
     float coef[terms];
     int64_t count = 0;
     for (int64_t c = 0; c < nkeep && count < cap; c++) cols[count++] = keep[c];
@@ -244,6 +251,7 @@ int64_t head_screen(const float *x, int64_t m, int64_t k, int64_t group, float *
         /* a float threshold at most least - widest: a column below it cannot reach least */
         float coarse = (float)(least - widest * SCREEN_SLACK);
         if ((double)coarse > least - widest * SCREEN_SLACK) coarse = nextafterf(coarse, -INFINITY);
+        int64_t num_near = 0;
         for (int64_t j0 = 0; j0 < v; j0 += TOP_SELECT_BLOCK) {
             const int64_t j1 = j0 + TOP_SELECT_BLOCK < v ? j0 + TOP_SELECT_BLOCK : v;
             float high = -INFINITY;
@@ -255,12 +263,33 @@ int64_t head_screen(const float *x, int64_t m, int64_t k, int64_t group, float *
                 double bound = 0.0;
                 for (int64_t t = 0; t < terms; t++) bound += (double)coef[t] * basis[t * v + j];
                 if ((double)a[j] + bound < least) continue;
-                int64_t c = 0;
-                while (c < count && cols[c] != j) c++;
-                if (c < count) continue;
-                if (count == cap) return -1;
-                cols[count++] = j;
+                if (num_near == cap_near) return -1;
+                near[num_near++] = j;
             }
+        }
+        double least2 = -INFINITY;
+        for (int64_t n = 0; n < num_near; n++) {
+            const int64_t j = near[n];
+            const uint8_t *q = wq + (j / 16) * panel_bytes + (j % 16) * 4;
+            float dot = 0.0f;
+            for (int64_t t = 0; t < k / 4; t++)
+                for (int64_t e = 0; e < 4; e++)
+                    dot += xr[4 * t + e] * (float)((int32_t)q[t * 64 + e] - 128);
+            const double value = (double)dot * wscale[j];
+            const double margin = (double)coef[groups] * basis[groups * v + j] +
+                                  (double)coef[groups + 1] * basis[(groups + 1) * v + j];
+            refined[2 * n] = value;
+            refined[2 * n + 1] = margin;
+            least2 = value - margin > least2 ? value - margin : least2;
+        }
+        for (int64_t n = 0; n < num_near; n++) {
+            if (refined[2 * n] + refined[2 * n + 1] < least2) continue;
+            const int64_t j = near[n];
+            int64_t c = 0;
+            while (c < count && cols[c] != j) c++;
+            if (c < count) continue;
+            if (count == cap) return -1;
+            cols[count++] = j;
         }
     }
     for (int64_t i = 0; i < m * count; i++) acc[i] = 0.0f;

@@ -10,18 +10,20 @@ kernel quantizes it, each entry of activation group g off by at most h_g, half i
     |x . w_j - a_j| <= sum_g h_g ||w^_j[g]||_1 + ||w_j - w^_j||_2 ||x||_2 + float32 rounding
 
 (Hölder's inequality on w^_j . (x - x^), Cauchy-Schwarz on (w_j - w^_j) . x). Only the columns
-whose upper bound reaches a lower bound of the maximum can hold it; their exact logits are
-computed from the float weights, and every other column is -inf (`head_screen` in
-`cpu_kernels.c`, after the int8 product). The argmax of a row that `logits` returns is therefore
-the argmax of the exact logits, except where two exact logits differ by float32 rounding alone
-(a near-tie a different float32 kernel may also split). Columns the caller may mask (EOS before
+whose upper bound reaches a lower bound of the maximum can hold it. Those few are narrowed
+again by x . w^_j summed in float32 from their int8 rows, whose distance from x . w_j has no
+activation term. The exact logits of the columns left are computed from the float weights, and
+every other column is -inf (`head_screen` in `cpu_kernels.c`, after the int8 product). The
+argmax of a row that `logits` returns is therefore the argmax of the exact logits, except where
+two exact logits differ by float32 rounding alone (a near-tie a different float32 kernel may
+also split). Columns the caller may mask (EOS before
 `min_new_tokens`) are passed as `maskable_ids`: they are exact too, and the maximum is proven
 over the columns outside them, so the argmax after masking any of them is exact as well.
 
 The screen serves only callers that read nothing but each row's argmax (first index on ties),
 and declines (None) where it cannot prove its answer: rows that are not finite, or more
-candidate columns than `MAX_CANDIDATES`. It holds its own copy of the weights, made by
-`HeadScreen.build` and valid until the head's weights change (`weights_version`).
+candidate columns than `MAX_NEAR` or `MAX_CANDIDATES`. It holds its own copy of the weights,
+made by `HeadScreen.build` and valid until the head's weights change (`weights_version`).
 """
 
 from __future__ import annotations
@@ -33,14 +35,21 @@ from typing import Any
 import torch
 
 from engine.kernels.cpu import CpuKernels, bind
-from engine.kernels.quant_rows import RowsQuantLinear, build_quant_kernel, kernel_isa
+from engine.kernels.quant_rows import (
+    PackedQuant,
+    RowsQuantLinear,
+    build_quant_kernel,
+    kernel_isa,
+)
 from engine.layers.linear import Linear
 from engine.quant.reference import activation_group, quantize_rows
 from engine.quant.weights import QuantizedWeight
 
-MAX_ROWS = 2
-"""Most rows a screen takes: above, the float head's read is shared by enough rows that
-screening each saves less than it costs."""
+MAX_ROWS = 8
+"""Most rows a screen takes: above, the int8 product and the narrowing of each row cost about
+what the float head's product does."""
+MAX_NEAR = 4096
+"""Most columns a row may keep after the int8 product; with more, the float head answers."""
 MAX_CANDIDATES = 256
 """Most candidate columns of a call, all its rows together; with more, the float head answers
 (each candidate is read column by column from the float weights, so that many more would cost
@@ -48,7 +57,10 @@ about as much as the float head)."""
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
-    "head_screen": ([_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _P, _I, _I, _P, _P, _P], _I),
+    "head_screen": (
+        [_P, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, _P, _I, _P, _P, _P],
+        _I,
+    ),
 }
 
 
@@ -62,13 +74,17 @@ class HeadScreen:
         product: RowsQuantLinear,
         basis: torch.Tensor,  # [groups + 2, V] float32: see `build`
     ) -> None:
+        assert isinstance(product.packed, PackedQuant)  # `build` makes sure of it
         self.head, self.product, self.basis = head, product, basis
         self.basis_max = basis.amax(dim=1).contiguous()  # [groups + 2]
+        self.int8_rows, self.int8_scales = product.packed.packed, product.packed.scales
         self.version = head.weights_version
         self.group = activation_group(head.in_features)
         bind(kernels.lib, _SIGNATURES)
         self._run = kernels.lib.head_screen
-        self._cols = torch.empty(MAX_CANDIDATES, dtype=torch.int64)  # the kernel's scratch
+        self._near = torch.empty(MAX_NEAR, dtype=torch.int64)  # the kernel's scratch
+        self._refined = torch.empty(2 * MAX_NEAR, dtype=torch.float64)
+        self._cols = torch.empty(MAX_CANDIDATES, dtype=torch.int64)
         self._acc = torch.empty(MAX_ROWS, MAX_CANDIDATES, dtype=torch.float32)
         self.screened_rows = 0  # rows answered by the screen, for tests and benchmarks
 
@@ -107,7 +123,10 @@ class HeadScreen:
         int8 = QuantizedWeight(
             bits=8, group_size=k, qweight=qweight, scales=scales, zeros=None, perm=None
         )
-        return cls(head, kernels, build_quant_kernel(int8, None), basis)
+        product = build_quant_kernel(int8, None)
+        if not isinstance(product.packed, PackedQuant):
+            return None  # no rows kernel: its panels are what the second stage reads
+        return cls(head, kernels, product, basis)
 
     @property
     def nbytes(self) -> int:
@@ -132,9 +151,10 @@ class HeadScreen:
         storage = self.head.storage  # W^T [K, V]
         rc = self._run(
             x.data_ptr(), m, k, self.group, approx.data_ptr(), vocab, self.basis.data_ptr(),
-            self.basis_max.data_ptr(), storage.data_ptr(), storage.stride(0), keep.data_ptr(),
-            keep.numel(), MAX_CANDIDATES, self._cols.data_ptr(), self._acc.data_ptr(),
-            out.data_ptr(),
+            self.basis_max.data_ptr(), self.int8_rows.data_ptr(), self.int8_scales.data_ptr(),
+            storage.data_ptr(), storage.stride(0), keep.data_ptr(), keep.numel(), MAX_NEAR,
+            self._near.data_ptr(), self._refined.data_ptr(), MAX_CANDIDATES,
+            self._cols.data_ptr(), self._acc.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             return None

@@ -13,7 +13,7 @@ import torch
 from engine.kernels.cpu import load_cpu_kernels
 from engine.kernels.quant_rows import kernel_isa
 from engine.layers import head_screen
-from engine.layers.head_screen import MAX_CANDIDATES, MAX_ROWS, HeadScreen
+from engine.layers.head_screen import MAX_CANDIDATES, MAX_NEAR, MAX_ROWS, HeadScreen
 from engine.layers.linear import Linear
 from engine.llm import LLM
 from engine.paths import default_model_path, model_path
@@ -176,8 +176,9 @@ def test_declines_where_it_cannot_prove() -> None:
     assert screen.logits(bad) is None
     with pytest.raises(ValueError, match="outside the vocabulary"):
         screen.logits(x[:1], [vocab])
-    flat = _screen(torch.ones(MAX_CANDIDATES + 8, k) * 0.01)
-    assert flat.logits(x[:1]) is None  # every column a candidate: too many
+    for vocab_size in (MAX_CANDIDATES + 8, MAX_NEAR + 8):
+        flat = _screen(torch.ones(vocab_size, k) * 0.01)
+        assert flat.logits(x[:1]) is None  # every column a candidate: too many
     head.load_rows(0, weight[:1] * 2)  # the weights changed since the build
     assert screen.logits(x[:1]) is None
     inf_weight = weight.clone()
