@@ -16,9 +16,9 @@ activation term. The exact logits of the columns left are computed from the floa
 every other column is -inf (`head_screen` in `cpu_kernels.c`, after the int8 product). The
 argmax of a row that `logits` returns is therefore the argmax of the exact logits, except where
 two exact logits differ by float32 rounding alone (a near-tie a different float32 kernel may
-also split). Columns the caller may mask (EOS before
-`min_new_tokens`) are passed as `maskable_ids`: they are exact too, and the maximum is proven
-over the columns outside them, so the argmax after masking any of them is exact as well.
+also split). Columns the caller may mask (EOS before `min_new_tokens`) are passed as
+`maskable_ids`: they are exact too, and the maximum is proven over the columns outside them, so
+the argmax after masking any of them is exact as well.
 
 The screen serves only callers that read nothing but each row's argmax (first index on ties),
 and declines (None) where it cannot prove its answer: rows that are not finite, or more
@@ -86,6 +86,7 @@ class HeadScreen:
         self._refined = torch.empty(2 * MAX_NEAR, dtype=torch.float64)
         self._cols = torch.empty(MAX_CANDIDATES, dtype=torch.int64)
         self._acc = torch.empty(MAX_ROWS, MAX_CANDIDATES, dtype=torch.float32)
+        self._no_ids = torch.empty(0, dtype=torch.int64)
         self.screened_rows = 0  # rows answered by the screen, for tests and benchmarks
 
     @classmethod
@@ -135,18 +136,18 @@ class HeadScreen:
 
     def logits(self, x: torch.Tensor, maskable_ids: Collection[int] = ()) -> torch.Tensor | None:
         """x [M, K] float32 final-norm states -> [M, V] float32: exact logits at `maskable_ids`
-        and at the columns that may hold a row's maximum over the other columns, -inf
-        elsewhere; None where the screen declines (more than MAX_ROWS rows, a row not finite,
-        too many candidates, weights changed since the build)."""
+        (those below V; the others are no columns) and at the columns that may hold a row's
+        maximum over the other columns, -inf elsewhere; None where the screen declines (more
+        than MAX_ROWS rows, a row not finite, too many candidates, weights changed since the
+        build)."""
         m, k = x.shape
         if m > MAX_ROWS or self.head.weights_version != self.version:
             return None
         x = x.contiguous()
         approx = self.product(x)  # [M, V]
         vocab = approx.shape[1]
-        keep = torch.tensor(sorted(maskable_ids), dtype=torch.int64)
-        if keep.numel() and not 0 <= int(keep[0]) <= int(keep[-1]) < vocab:
-            raise ValueError(f"maskable_ids {sorted(maskable_ids)} outside the vocabulary")
+        ids = sorted(i for i in maskable_ids if 0 <= i < vocab)  # others are no columns
+        keep = torch.tensor(ids, dtype=torch.int64) if ids else self._no_ids
         out = torch.empty(m, vocab, dtype=torch.float32)
         storage = self.head.storage  # W^T [K, V]
         rc = self._run(
