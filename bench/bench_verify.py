@@ -40,11 +40,11 @@ from engine import LLM
 from engine.config import CANDIDATE_SELECTIONS
 from engine.kernels.matmul import KERNELS
 from engine.kernels.rows import load_rows_gemm
-from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
 from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.proposer import MLPProposer, ProposalInput
 from engine.spec_decode.tree import DraftTree
+from engine.step_io import SequenceInput
 from tools.tiny_speculator import write_tiny_speculator
 from training.evaluate import evaluate_speculator
 from training.prompts import CHAT_PROMPTS, chat_prompt_ids, eval_prompts

@@ -75,7 +75,7 @@ def matmul_floor(llm: LLM, batch: int) -> Callable[[], None]:
 def engine_step(llm: LLM, prompts: list[list[int]]) -> Iterator[Callable[[], object]]:
     """One greedy decode forward pass (runner.execute, rows read for their argmax only) over
     len(prompts) sequences whose prompts are in the cache; the sequences are freed on exit."""
-    from engine.model_runner import SequenceInput
+    from engine.step_io import SequenceInput
 
     kv, runner = llm.kv, llm.runner
     for i, p in enumerate(prompts):

@@ -24,12 +24,12 @@ import torch
 from bench.chat_prompts import SERVING_PROMPTS
 from engine import LLM
 from engine.config import CANDIDATE_SELECTIONS
-from engine.model_runner import SequenceInput
 from engine.paths import default_model_path
 from engine.spec_decode.candidates import num_candidates
 from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.proposer import use_engine_linears
 from engine.spec_decode.tree import DraftTree
+from engine.step_io import SequenceInput
 from training.prompts import chat_prompt_ids, eval_prompts
 
 RESULTS = Path(__file__).parent / "results" / "tree_rules.json"

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
-from engine.model_runner import SequenceInput
 from engine.request import Request
 from engine.sampling.greedy_choice import is_plain_greedy, masked_eos
 from engine.sampling.prompt_logprobs import PromptLogprobs
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode.verifier import Verification
+from engine.step_io import SequenceInput
 
 
 @dataclass

@@ -19,7 +19,7 @@ from engine.device import use_device
 from engine.hooks import TokenObserver
 from engine.host_copy import read_values
 from engine.kv_cache import KVCacheManager
-from engine.model_runner import ModelOutput, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.outputs import EngineOutput, EngineStepOutput, RequestEvent, StepStats
 from engine.outputs import RequestEventType as Event
 from engine.request import PromptPrefix, Request
@@ -32,6 +32,7 @@ from engine.spec_decode.policy import Method
 from engine.spec_decode.tree import DraftTree
 from engine.spec_decode.verifier import accepted_slot_moves
 from engine.spec_decode.walk import choose_tokens
+from engine.step_io import ModelOutput
 
 logger = logging.getLogger(__name__)
 

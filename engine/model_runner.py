@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import load_weights
 from engine.parallel.shard import Shard
 from engine.quant.scheme import resolve_scheme
+from engine.step_io import ModelOutput, SequenceInput
 
 logger = logging.getLogger(__name__)
 
@@ -35,41 +35,6 @@ def resolve_dtype(dtype: str | None, config_dtype: str | None, device: str) -> t
     if device.startswith("cuda"):
         return torch.bfloat16 if config_dtype == "bfloat16" else torch.float16
     return torch.float32
-
-
-@dataclass
-class SequenceInput:
-    """One sequence's share of a forward step.
-
-    `token_ids` are written to cache positions `num_computed_tokens + j`. Their RoPE positions are
-    `positions` when given (draft trees: depth-based), else consecutive from
-    `num_computed_tokens`. `logits_indices` picks which new tokens get logits and hidden states
-    (default: the last one). `prefix_embeds` (prompt tuning) replace the embeddings of the first
-    `len(prefix_embeds)` tokens, in the space of transformers' `inputs_embeds`. `argmax_only`:
-    only the argmax of its rows is read, after any of `maskable_ids` are set to -inf; a step
-    whose sequences all say so may get rows that are -inf away from the columns that can be the
-    argmax (`LlamaModel.compute_logits`).
-    """
-
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
-    positions: list[int] | None = None
-    tree_mask: torch.Tensor | None = None  # [len(token_ids), len(token_ids)] bool
-    logits_indices: list[int] | None = None
-    prefix_embeds: torch.Tensor | None = None  # [K <= len(token_ids), hidden], model dtype
-    argmax_only: bool = False
-    maskable_ids: frozenset[int] = frozenset()
-
-
-@dataclass
-class ModelOutput:
-    """A step's results; the tensors may be a CUDA graph's static outputs, valid until the
-    next `execute` (observers that keep rows copy them)."""
-
-    logits: torch.Tensor  # [M, vocab] float32, rows in input order of the selected tokens
-    hidden_states: torch.Tensor  # [M, hidden]: final-norm states at the same rows
-    num_rows: list[int] = field(default_factory=list)  # rows per sequence
 
 
 class ModelRunner:
@@ -333,8 +298,7 @@ class ModelRunner:
         if graph_seqs is not None:
             assert self.graphs is not None
             logits, hidden = self.graphs.run(graph_seqs)
-            rows_per_seq = [len(s.token_ids) for s in seqs]
-            return ModelOutput(logits=logits, hidden_states=hidden, num_rows=rows_per_seq)
+            return ModelOutput(logits, hidden, num_rows=[len(s.token_ids) for s in seqs])
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -380,7 +344,7 @@ class ModelRunner:
         hidden = self.model(ids_d, positions_d, self.kv_caches, metadata, inputs_embeds)
         if not all_rows:
             hidden = hidden.index_select(0, rows_d)
-        argmax_only = all(s.argmax_only for s in seqs)
         maskable_ids = frozenset().union(*(s.maskable_ids for s in seqs))
-        logits = self.model.compute_logits(hidden, argmax_only, maskable_ids).float()
+        logits = self.model.compute_logits(hidden, all(s.argmax_only for s in seqs), maskable_ids)
+        logits = logits.float()
         return ModelOutput(logits=logits, hidden_states=hidden, num_rows=num_rows)

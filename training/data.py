@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.hooks import StateRecorder, StepStates
 from engine.llm import LLM
-from engine.model_runner import SequenceInput
 from engine.sampling.params import SamplingParams
+from engine.step_io import SequenceInput
 from training.prompts import chat_prompt_ids
 
 logger = logging.getLogger(__name__)

@@ -37,10 +37,10 @@ def section_speed(ctx: Ctx) -> None:
     from engine.builder import build_engine
     from engine.config import EngineConfig
     from engine.kv_sizing import kv_block_bytes
-    from engine.model_runner import SequenceInput
     from engine.spec_decode.mlp_speculator import MLPSpeculator
     from engine.spec_decode.proposer import MLPProposer, ProposalInput
     from engine.spec_decode.speculator_config import MLPSpeculatorConfig
+    from engine.step_io import SequenceInput
 
     r = ctx.report
     if not ctx.cuda and not ctx.small:

@@ -26,11 +26,12 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.kv_sizing import MemoryGauge
-from engine.model_runner import ModelOutput, ModelRunner, SequenceInput
+from engine.model_runner import ModelRunner
 from engine.models.config import LlamaConfig
 from engine.parallel.channel import StepChannel
 from engine.parallel.processes import ShardProcesses
 from engine.parallel.shard import Shard, check_shardable
+from engine.step_io import ModelOutput, SequenceInput
 
 logger = logging.getLogger(__name__)
 

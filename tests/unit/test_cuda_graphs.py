@@ -19,11 +19,12 @@ from engine.config import EngineConfig, SchedulerConfig
 from engine.core import LLMEngine
 from engine.cuda_graphs import MAX_TREE_ROWS, GraphSequence, StepGraphs
 from engine.hooks import LogitsRecorder
-from engine.model_runner import ModelOutput, ModelRunner, SequenceInput
+from engine.model_runner import ModelRunner
 from engine.paths import model_path
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.tree import DraftTree
+from engine.step_io import ModelOutput, SequenceInput
 from tests.reference import chat_prompt_ids
 from tools.scripted_proposer import ScriptedProposer
 

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from engine.config import EngineConfig, SchedulerConfig
 from engine.core import LLMEngine
 from engine.host_copy import to_device
-from engine.model_runner import ModelRunner, SequenceInput
+from engine.model_runner import ModelRunner
 from engine.paths import model_path
 from engine.request import Request
 from engine.sampling.params import SamplingParams
@@ -35,6 +35,7 @@ from engine.spec_decode.mlp_speculator import MLPSpeculator
 from engine.spec_decode.proposer import MLPProposer
 from engine.spec_decode.tree import DraftTree
 from engine.spec_decode.verifier import Verification, last_choices_on_device
+from engine.step_io import SequenceInput
 from tests.pretend_device import PretendDevice, counted, pretend_device
 from tests.reference import random_speculator, require_model
 from tools.scripted_proposer import ScriptedProposer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.model_runner import SequenceInput
+from engine.step_io import SequenceInput
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
 
 MAX_NEW = 64

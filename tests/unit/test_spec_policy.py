@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from engine.core import LLMEngine
-from engine.model_runner import ModelOutput, SequenceInput
 from engine.paths import model_path
 from engine.sampling.params import SamplingParams
 from engine.spec_decode.drafter import Drafter, DraftingView
@@ -21,6 +20,7 @@ from engine.spec_decode.loader import load_speculator
 from engine.spec_decode.policy import Method, SpeculationPolicy
 from engine.spec_decode.proposer import MLPProposer, ProposalInput, Proposer
 from engine.spec_decode.tree import DraftTree
+from engine.step_io import ModelOutput, SequenceInput
 from tests.reference import chat_prompt_ids, compare_greedy, hf_greedy
 from tests.unit.test_spec_decoding import make_engine, run
 from tools.scripted_proposer import ScriptedProposer

@@ -15,12 +15,12 @@ import torch
 
 import engine.spec_decode.walk as walk
 from engine.core import LLMEngine
-from engine.model_runner import ModelOutput, SequenceInput
 from engine.outputs import EngineOutput
 from engine.paths import model_path
 from engine.request import RequestStatus
 from engine.sampling.params import SamplingParams
 from engine.scheduler import SchedulerOutput
+from engine.step_io import ModelOutput, SequenceInput
 from tests.reference import hf_greedy
 from tests.unit.test_spec_decoding import MAX_NEW, TINY, Run, make_engine, run, tiny_prompts
 from tools.scripted_proposer import ScriptedProposer

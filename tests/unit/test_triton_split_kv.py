@@ -20,9 +20,10 @@ from engine.attention.triton_backend import (
     num_kv_splits,
 )
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, SequenceInput
+from engine.model_runner import ModelRunner
 from engine.paths import model_path
 from engine.spec_decode.tree import DraftTree
+from engine.step_io import SequenceInput
 from tests.unit.test_triton_attention import (
     DEVICE,
     HEAD_SHAPES,
